@@ -1,0 +1,280 @@
+"""GPT-2 in Flax NNX.
+
+Read it side by side with ``torch_ref/model.py``: the same classes in the same order with the same names
+(LayerNorm, Linear, CausalSelfAttention, MLP, Block, GPT) and the same parameter names, so one file is a
+translation table for the other. Shapes use named axes:
+
+    batch (B), seq (T), embed (C), heads (N), head_dim (D, C = N * D), vocab (V, padded rows Vp >= V)
+
+Numerics follow GPT-2 exactly: pre-LayerNorm blocks with eps 1e-5, the tanh approximation of GELU, a fused
+qkv projection, a causal softmax attention scaled by 1/sqrt(D), and an lm_head tied to the token embedding.
+Dtypes are decided by one :class:`~jaxgpt.precision.Policy` passed in at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from einops import rearrange
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.precision import Policy
+
+INIT_STD = 0.02  # GPT-2's initializer_range
+
+
+class TokenError(ValueError):
+    """Token ids or a sequence that the model cannot take (out of vocabulary, too long, wrong shape)."""
+
+
+def check_tokens(idx, config: GPTConfig, *, name: str = "idx") -> None:
+    """Refuse what the model would otherwise silently clamp or mis-index.
+
+    Shape and length are static and always checked; the id range is checked whenever the values are
+    concrete (numpy arrays, or jax arrays outside ``jit``). Inside ``jit`` the caller checks its batches.
+    """
+    shape = tuple(getattr(idx, "shape", ()))
+    if len(shape) != 2:
+        raise TokenError(f"{name} must have shape (batch, seq), got {shape}")
+    if shape[1] > config.block_size:
+        raise TokenError(f"{name} has sequence length {shape[1]} but block_size is {config.block_size}; "
+                         f"crop the input to its last {config.block_size} tokens")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise TokenError(f"{name} must hold integer token ids, got dtype {idx.dtype}")
+    if isinstance(idx, jax.core.Tracer) or idx.size == 0:
+        return
+    values = np.asarray(idx)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= config.vocab_size:
+        bad = values[(values < 0) | (values >= config.vocab_size)]
+        raise TokenError(f"{name} holds token ids outside [0, {config.vocab_size}): e.g. {bad[:5].tolist()} "
+                         f"(min {lo}, max {hi}); ids must come from the GPT-2 tokenizer")
+
+
+def dropout(x: Array, rate: float, key: jax.Array | None) -> Array:
+    """Inverted dropout; a no-op when ``key`` is None (evaluation) or the rate is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _split(key: jax.Array | None, n: int) -> list[jax.Array | None]:
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer for incremental decoding, in the policy's compute dtype."""
+
+    k: Float[Array, "layer batch max_seq heads head_dim"]
+    v: Float[Array, "layer batch max_seq heads head_dim"]
+
+
+def attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch kv_seq heads head_dim"],
+    v: Float[Array, "batch kv_seq heads head_dim"],
+    *,
+    policy: Policy,
+    mask: Float[Array, "batch 1 seq kv_seq"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_key: jax.Array | None = None,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """softmax(q k^T / sqrt(D) + causal mask) v. Without ``mask`` the attention is causal over one sequence;
+    with it (incremental decoding), ``mask[b, 0, t, s]`` says whether query t may see key s."""
+    impl = policy.attention_impl()
+    if dropout_key is not None and dropout_rate > 0.0:
+        impl = "reference"  # the fused kernels have no dropout on the probabilities
+    if impl == "reference":
+        return reference_attention(q, k, v, policy=policy, mask=mask, dropout_rate=dropout_rate,
+                                   dropout_key=dropout_key)
+    if mask is not None and impl == "cudnn":
+        impl = "xla"  # decoding steps (one query against a cache) take XLA's path
+    y = jax.nn.dot_product_attention(policy.cast(q), policy.cast(k), policy.cast(v), mask=mask,
+                                     is_causal=mask is None, implementation=impl)
+    return y.astype(jnp.float32)
+
+
+def reference_attention(q, k, v, *, policy: Policy, mask=None, dropout_rate=0.0, dropout_key=None):
+    """The same attention written out as plain einsums (the oracle for the fused path, and dropout)."""
+    T, S = q.shape[1], k.shape[1]
+    scores = policy.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])  # fp32
+    if mask is None:
+        mask = jnp.tril(jnp.ones((T, S), dtype=bool))[None, None]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)  # fp32
+    probs = dropout(probs, dropout_rate, dropout_key)
+    return policy.einsum("bhts,bshd->bthd", probs, v)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias)."""
+
+    def __init__(self, dim: int, *, bias: bool, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if bias else None
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+        x = x.astype(jnp.float32)
+        mean = x.mean(axis=-1, keepdims=True)
+        var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale.value
+        return y + self.bias.value if self.bias is not None else y
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel + bias, with ``kernel`` stored (in, out) like Hugging Face's Conv1D."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, policy: Policy, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+        self.policy = policy
+
+    def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
+        y = self.policy.einsum("...i,io->...o", x, self.kernel.value)  # fp32 accumulation
+        return y + self.bias.value if self.bias is not None else y
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
+        C = config.n_embd
+        resid_std = INIT_STD / math.sqrt(2 * config.n_layer)  # GPT-2: scale residual projections
+        self.c_attn = Linear(C, 3 * C, bias=config.bias, std=INIT_STD, policy=policy, rngs=rngs)
+        self.c_proj = Linear(C, C, bias=config.bias, std=resid_std, policy=policy, rngs=rngs)
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.policy = policy
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        *,
+        cache: tuple[Array, Array] | None = None,
+        pos: Int[Array, ""] | int = 0,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], tuple[Array, Array] | None]:
+        attn_key, resid_key = _split(dropout_key, 2)
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=self.n_head)
+        mask = None
+        if cache is not None:  # write this step's keys/values at [pos, pos+T), attend to [0, pos+t]
+            k_cache, v_cache = cache
+            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
+            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
+            cache = (k, v)
+            T, S = q.shape[1], k.shape[1]
+            mask = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
+        y = attention(q, k, v, policy=self.policy, mask=mask, dropout_rate=self.dropout,
+                      dropout_key=attn_key)
+        y = rearrange(y, "b t h d -> b t (h d)")  # re-assemble the heads side by side
+        return dropout(self.c_proj(y), self.dropout, resid_key), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
+        C = config.n_embd
+        resid_std = INIT_STD / math.sqrt(2 * config.n_layer)
+        self.c_fc = Linear(C, 4 * C, bias=config.bias, std=INIT_STD, policy=policy, rngs=rngs)
+        self.c_proj = Linear(4 * C, C, bias=config.bias, std=resid_std, policy=policy, rngs=rngs)
+        self.dropout = config.dropout
+
+    def __call__(self, x: Float[Array, "batch seq embed"], *, dropout_key=None) -> Float[Array, "batch seq embed"]:
+        h = jax.nn.gelu(self.c_fc(x), approximate=True)  # GPT-2's tanh GELU, in fp32
+        return dropout(self.c_proj(h), self.dropout, dropout_key)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
+        eps = config.layer_norm_epsilon
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps)
+        self.attn = CausalSelfAttention(config, policy=policy, rngs=rngs)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps)
+        self.mlp = MLP(config, policy=policy, rngs=rngs)
+
+    def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, pos=0, dropout_key=None):
+        attn_key, mlp_key = _split(dropout_key, 2)
+        a, cache = self.attn(self.ln_1(x), cache=cache, pos=pos, dropout_key=attn_key)
+        x = x + a  # the residual stream stays fp32
+        x = x + self.mlp(self.ln_2(x), dropout_key=mlp_key)
+        return x, cache
+
+
+class GPT(nnx.Module):
+    def __init__(self, config: GPTConfig, *, policy: Policy | None = None, rngs: nnx.Rngs):
+        policy = policy or Policy()
+        self.config = config
+        self.policy = policy
+        wte = INIT_STD * jax.random.normal(rngs.params(), (config.vocab_rows, config.n_embd), jnp.float32)
+        wte = wte.at[config.vocab_size:].set(0.0)  # padded rows: never a target, never sampled
+        self.wte = nnx.Embed(config.vocab_rows, config.n_embd, embedding_init=lambda *_: wte, rngs=rngs)
+        self.wpe = nnx.Embed(config.block_size, config.n_embd,
+                             embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.h = nnx.List([Block(config, policy=policy, rngs=rngs) for _ in range(config.n_layer)])
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon)
+
+    # ---- the forward pass, in pieces --------------------------------------------------------------------
+    def hidden(
+        self,
+        idx: Int[Array, "batch seq"],
+        *,
+        cache: KVCache | None = None,
+        pos: Int[Array, ""] | int = 0,
+        dropout_key: jax.Array | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        """Final hidden states (after ln_f), fp32; with a cache, tokens sit at positions [pos, pos+T)."""
+        check_tokens(idx, self.config)
+        T = idx.shape[1]
+        keys = _split(dropout_key, self.config.n_layer + 1)
+        positions = pos + jnp.arange(T)
+        x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
+        x = dropout(x, self.config.dropout, keys[-1])
+        new_k, new_v = [], []
+        for i, block in enumerate(self.h):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            x, layer_cache = block(x, cache=layer_cache, pos=pos, dropout_key=keys[i])
+            if cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+        cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        return self.ln_f(x), cache
+
+    def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
+        """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped)."""
+        return self.policy.einsum("btc,vc->btv", h, self.wte.embedding.value)[..., : self.config.vocab_size]
+
+    def __call__(self, idx: Int[Array, "batch seq"], *, dropout_key=None) -> Float[Array, "batch seq vocab"]:
+        h, _ = self.hidden(idx, dropout_key=dropout_key)
+        return self.logits(h)
+
+    def loss(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"], *, dropout_key=None
+             ) -> Float[Array, ""]:
+        """Mean next-token cross-entropy in fp32."""
+        h, _ = self.hidden(idx, dropout_key=dropout_key)
+        return cross_entropy(self.logits(h), targets)
+
+    # ---- incremental decoding -------------------------------------------------------------------------
+    def init_cache(self, batch: int, max_seq: int | None = None) -> KVCache:
+        cfg = self.config
+        shape = (cfg.n_layer, batch, max_seq or cfg.block_size, cfg.n_head, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, self.policy.dtype), jnp.zeros(shape, self.policy.dtype))
+
+    def decode(self, idx: Int[Array, "batch seq"], cache: KVCache, pos: Int[Array, ""] | int
+               ) -> tuple[Float[Array, "batch seq vocab"], KVCache]:
+        """Logits of tokens placed at positions [pos, pos+T), attending to the cache; returns the new cache."""
+        h, cache = self.hidden(idx, cache=cache, pos=pos)
+        return self.logits(h), cache
+
+
+def cross_entropy(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]) -> Float[Array, ""]:
+    """Mean of -log softmax(logits)[target], computed in fp32."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - target_logit)
