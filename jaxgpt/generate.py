@@ -1,0 +1,366 @@
+"""Sampling text from a GPT: a jit-compiled KV-cache decoder with nanoGPT's semantics, and a CLI.
+
+    >>> out = generate(model, [15496, 11], max_new_tokens=20, temperature=0.8, top_k=50, seed=1337)
+    >>> out.shape  # (num_samples, prompt length + max_new_tokens)
+    (1, 22)
+
+Semantics (the same as ``torch_ref.GPT.generate``, nanoGPT's ``generate``): for each new token the model
+sees the last ``block_size`` tokens of the sequence so far, takes the logits of the last position, divides
+them by ``temperature``, keeps the logits >= the ``top_k``-th largest (ties kept), and samples from their
+softmax. ``temperature == 0`` is greedy decoding (argmax). The model's logits cover the real vocabulary
+only, so padded-vocabulary ids can never be sampled.
+
+How it runs (``use_cache=True``, the default): one jit-compiled pure function per (batch, prompt length,
+max_new_tokens) shape (plus the static sampling mode: greedy or not, top_k), cached across calls:
+
+1. prefill: the prompt (its last ``block_size`` tokens) goes through the model once, filling a KV cache;
+2. decode: a ``fori_loop`` feeds each new token through ``GPT.decode``-style incremental steps at its
+   absolute position, attending to the cache: O(T) work per token;
+3. past ``block_size``: once the sequence is longer than the context window, nanoGPT crops it to the last
+   ``block_size`` tokens, whose absolute positions restart at 0, so every token's position embedding
+   shifts and cached keys/values are stale. Each further token is therefore a full forward pass over the
+   last ``block_size`` tokens, O(block_size^2) attention per token, exactly as nanoGPT (and as
+   ``use_cache=False``, which shares this code path and gives the same tokens bit for bit).
+
+``use_cache=False`` is the plain recompute oracle: every token is a full causal forward pass over the
+current (cropped) context. To compile once, the context is laid out in a fixed window of
+``min(block_size, total length)`` slots with not-yet-generated slots holding id 0; causal attention means
+those slots cannot influence the logits read at the last real position.
+
+Randomness: ``key = jax.random.key(seed)`` is split into one key per new token (``jax.random.split(key,
+max_new_tokens)[i]`` samples token ``i`` of every row), so the same seed, shapes and settings give the
+same tokens, with or without the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgpt.config import PRESETS, GPTConfig
+from jaxgpt.model import GPT, TokenError, check_tokens
+from jaxgpt.precision import Policy
+
+__all__ = ["GenerateError", "generate", "generate_text", "load_model", "load_checkpoint", "main",
+           "sample_logits", "trace_count"]
+
+
+class GenerateError(ValueError):
+    """Invalid generation arguments (the message names the argument, its value and what is allowed)."""
+
+
+# How many times the jitted generation function has been traced (= compiled), per use_cache mode.
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_count() -> int:
+    """Number of times a generation function has been traced so far (tests use it to check the cache)."""
+    return sum(_TRACES.values())
+
+
+# ---- sampling ----------------------------------------------------------------------------------------------
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | float, *, greedy: bool,
+                  top_k: int | None) -> jax.Array:
+    """One token per row from ``logits`` (batch, vocab), nanoGPT's way.
+
+    ``greedy``: argmax. Otherwise ``logits / temperature``, then (if ``top_k``) every logit below the
+    ``top_k``-th largest is set to -inf, then a categorical draw from the softmax. Returns int32 (batch,).
+    """
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # categorical(logits) draws from softmax(logits) (Gumbel-max); -inf logits are never drawn.
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ---- the compiled generation function --------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "greedy", "top_k", "use_cache"))
+def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, greedy: bool,
+                       top_k: int | None, use_cache: bool):
+    """Tokens (batch, T0 + n_new): ``ctx`` (batch, T0 <= block_size) followed by ``n_new`` new tokens."""
+    _TRACES["cached" if use_cache else "uncached"] += 1  # runs only while tracing
+    model = nnx.merge(graphdef, state)
+    B, T0 = ctx.shape
+    block_size = model.config.block_size
+    L = T0 + n_new
+    keys = jax.random.split(key, n_new)
+    buf = jnp.zeros((B, L), jnp.int32).at[:, :T0].set(ctx)
+
+    def sample(logits, i):
+        return sample_logits(logits, keys[i], temperature, greedy=greedy, top_k=top_k)
+
+    def put(buf, i, tok):  # new token i sits at absolute index T0 + i of the sequence
+        return jax.lax.dynamic_update_slice(buf, tok[:, None], (0, T0 + i))
+
+    def recompute_step(i, buf, width):
+        """Token i from a full forward pass over the window of the last min(width, T0 + i) tokens."""
+        n = T0 + i  # tokens so far
+        start = jnp.maximum(n - width, 0)
+        window = jax.lax.dynamic_slice(buf, (0, start), (B, width))  # positions restart at 0
+        h, _ = model.hidden(window)
+        h_last = jax.lax.dynamic_slice_in_dim(h, n - 1 - start, 1, axis=1)  # last real token
+        return put(buf, i, sample(model.logits(h_last)[:, 0], i))
+
+    if not use_cache:
+        width = min(block_size, L)
+        return jax.lax.fori_loop(0, n_new, lambda i, b: recompute_step(i, b, width), buf)
+
+    # Token i sees T0 + i tokens; it can come from the cache while T0 + i <= block_size.
+    n_cached = min(n_new, block_size - T0 + 1)
+    cache = model.init_cache(B, T0 + n_cached - 1)  # the last cached step writes position T0+n_cached-2
+    h, cache = model.hidden(ctx, cache=cache, pos=0)  # prefill
+    tok = sample(model.logits(h[:, -1:])[:, 0], 0)
+    buf = put(buf, 0, tok)
+
+    def decode_step(i, carry):
+        buf, cache, prev = carry
+        h, cache = model.hidden(prev[:, None], cache=cache, pos=T0 + i - 1)  # token i-1 at its position
+        tok = sample(model.logits(h)[:, 0], i)
+        return put(buf, i, tok), cache, tok
+
+    buf, _, _ = jax.lax.fori_loop(1, n_cached, decode_step, (buf, cache, tok))
+    if n_cached < n_new:  # past block_size: nanoGPT's cropped recompute (positions shift: no cache reuse)
+        buf = jax.lax.fori_loop(n_cached, n_new, lambda i, b: recompute_step(i, b, block_size), buf)
+    return buf
+
+
+# ---- the library entry points ---------------------------------------------------------------------------
+def _check_int(name: str, value, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise GenerateError(f"{name} = {value!r}: expected an integer" + (" or None" if allow_none else ""))
+    if value < minimum:
+        raise GenerateError(f"{name} = {value!r}: must be >= {minimum}")
+
+
+def _prompt_array(prompt_ids, config: GPTConfig) -> np.ndarray:
+    """The prompt as an int (batch, T) array with every id checked against the vocabulary."""
+    try:
+        ids = np.asarray(prompt_ids)
+    except (ValueError, TypeError) as e:
+        raise GenerateError(f"prompt_ids must be a sequence of token ids: {e}") from e
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise GenerateError(f"prompt_ids must have shape (seq,) or (batch, seq), got {ids.shape}")
+    if ids.size == 0:
+        raise GenerateError(f"prompt_ids is empty (shape {ids.shape}); give at least one token, e.g. "
+                            "the end-of-text token 50256 to sample unconditionally")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TokenError(f"prompt_ids must hold integer token ids, got dtype {ids.dtype}")
+    bad = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if bad.size:
+        raise TokenError(f"prompt_ids holds token ids outside [0, {config.vocab_size}): e.g. "
+                         f"{bad[:5].tolist()}; ids must come from the GPT-2 tokenizer")
+    return ids.astype(np.int32)
+
+
+def generate(
+    model: GPT,
+    prompt_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    seed: int = 0,
+    num_samples: int = 1,
+    use_cache: bool = True,
+) -> np.ndarray:
+    """Sample ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``prompt_ids``: token ids, shape (seq,) or (batch, seq). Each prompt row is repeated ``num_samples``
+    times (prompt-major), and every row is sampled independently. A prompt longer than ``block_size``
+    keeps only its last ``block_size`` tokens as context (nanoGPT), but is returned whole.
+    ``temperature``: 0 = greedy; ``top_k``: None or 0 = no top-k filtering.
+
+    Returns an int32 array (batch * num_samples, seq + max_new_tokens): the prompt, then the new tokens.
+    """
+    config: GPTConfig = model.config
+    _check_int("max_new_tokens", max_new_tokens, minimum=0)
+    _check_int("num_samples", num_samples, minimum=1)
+    _check_int("top_k", top_k, minimum=0, allow_none=True)
+    _check_int("seed", seed, minimum=0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise GenerateError(f"temperature = {temperature!r}: must be a finite number >= 0 (0 = greedy)")
+    if seed >= 2**32:
+        raise GenerateError(f"seed = {seed}: must be < 2**32")
+    prompt = np.repeat(_prompt_array(prompt_ids, config), num_samples, axis=0)
+    ctx = prompt[:, -config.block_size:]
+    check_tokens(ctx, config, name="prompt_ids")
+    if max_new_tokens == 0:
+        return prompt
+
+    greedy = float(temperature) == 0.0
+    if greedy or not top_k or top_k >= config.vocab_size:
+        top_k = None  # no filtering (and one compiled function for all of these)
+    graphdef, state = nnx.split(model)
+    out = _generate_compiled(
+        graphdef, state, jnp.asarray(ctx), jax.random.key(seed),
+        jnp.float32(1.0 if greedy else temperature),
+        n_new=int(max_new_tokens), greedy=greedy, top_k=None if top_k is None else int(top_k),
+        use_cache=bool(use_cache),
+    )
+    new = np.asarray(out)[:, ctx.shape[1]:]
+    return np.concatenate([prompt, new], axis=1)
+
+
+def generate_text(
+    model: GPT,
+    prompt: str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    seed: int = 0,
+    num_samples: int = 1,
+    use_cache: bool = True,
+) -> list[str]:
+    """``num_samples`` texts: ``prompt`` followed by its sampled continuation, through GPT-2's tokenizer.
+
+    The prompt is encoded literally (a ``"<|endoftext|>"`` in it is ordinary text). An empty prompt
+    samples unconditionally: the context starts with the end-of-text token, which is not returned.
+    """
+    from jaxgpt.tokenizer import EOT_TOKEN, decode, encode
+
+    if not isinstance(prompt, str):
+        raise GenerateError(f"prompt = {prompt!r}: expected a string")
+    ids = encode(prompt)
+    skip = 0
+    if not ids:
+        ids, skip = [EOT_TOKEN], 1
+    out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                   seed=seed, num_samples=num_samples, use_cache=use_cache)
+    return [decode(row[skip:].tolist()) for row in out]
+
+
+# ---- loading a model ------------------------------------------------------------------------------------
+def load_checkpoint(path: str | Path, *, policy: Policy) -> GPT:
+    """Hook for jaxgpt training checkpoints (a directory that is not a Hugging Face model directory).
+
+    The training code will provide the loader; until then this refuses clearly.
+    """
+    raise GenerateError(f"--init-from {str(path)!r}: this directory is not a Hugging Face GPT-2 directory "
+                        "(no config.json with model_type), and loading jaxgpt training checkpoints is not "
+                        "implemented yet")
+
+
+def _is_hf_dir(path: Path) -> bool:
+    if (path / "config.json").is_file():
+        return True
+    return any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin"))
+
+
+def load_model(init_from: str, *, policy: Policy, seed: int = 0) -> GPT:
+    """A GPT from ``init_from``: ``random:PRESET`` (random init with ``seed``), a directory (a Hugging Face
+    GPT-2 directory, else a jaxgpt training checkpoint), or a Hugging Face model name ("gpt2", ...)."""
+    if init_from.startswith("random:"):
+        preset = init_from.split(":", 1)[1]
+        if preset not in PRESETS:
+            raise GenerateError(f"--init-from {init_from!r}: unknown preset {preset!r}; "
+                                f"valid presets are {sorted(PRESETS)}")
+        return GPT(GPTConfig.preset(preset), policy=policy, rngs=nnx.Rngs(seed))
+    path = Path(init_from)
+    if path.is_dir() and not _is_hf_dir(path):
+        return load_checkpoint(path, policy=policy)
+    try:
+        from jaxgpt.weights import from_hf
+    except ImportError as e:
+        raise GenerateError(f"--init-from {init_from!r}: loading Hugging Face weights needs "
+                            f"jaxgpt.weights, which is not available ({e})") from e
+    try:
+        return from_hf(init_from, policy=policy)
+    except (OSError, ValueError) as e:  # missing files, no network, not GPT-2, ...
+        hint = (f"; for a randomly initialised model use random:{init_from}"
+                if init_from in PRESETS and not init_from.startswith("gpt2") else "")
+        raise GenerateError(f"--init-from {init_from!r}: could not load Hugging Face weights: {e}{hint}") from e
+
+
+# ---- the command line ----------------------------------------------------------------------------------------
+def _int_at_least(minimum: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}")
+        return v
+    return parse
+
+
+def _temperature(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s} must be a finite number >= 0 (0 = greedy)")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxgpt.generate",
+        description="Sample text from a GPT-2 model (KV-cached, jit-compiled).",
+    )
+    p.add_argument("--init-from", default="gpt2",
+                   help="a Hugging Face model name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a Hugging Face "
+                        "GPT-2 directory, a jaxgpt checkpoint directory, or random:PRESET for a random "
+                        f"model (presets: {', '.join(sorted(PRESETS))}) (default: gpt2)")
+    p.add_argument("--prompt", default="", help="the text to continue (default: empty = unconditional)")
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=100)
+    p.add_argument("--temperature", type=_temperature, default=1.0, help="0 = greedy (default: 1.0)")
+    p.add_argument("--top-k", type=_int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--num-samples", type=_int_at_least(1), default=1)
+    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
+                   help="matmul operand dtype (default: fp32)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole context for every token (slow; the reference path)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.seed >= 2**32:
+            raise GenerateError(f"--seed {args.seed}: must be < 2**32")
+        policy = Policy.named(args.precision)
+        model = load_model(args.init_from, policy=policy)
+        t0 = time.perf_counter()
+        texts = generate_text(model, args.prompt, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
+                              num_samples=args.num_samples, use_cache=not args.no_cache)
+        dt = time.perf_counter() - t0
+    except (ValueError, OSError, ImportError) as e:  # GenerateError, ConfigError, TokenError, ...
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(texts):
+        if i:
+            print("-" * 40)
+        print(text)
+    n = args.max_new_tokens * args.num_samples
+    print(f"[{n} tokens in {dt:.2f} s including compilation: {n / max(dt, 1e-9):.1f} tokens/s]",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

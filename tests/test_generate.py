@@ -1,0 +1,258 @@
+"""jaxgpt.generate: shapes, determinism, sampling semantics, block_size cropping, errors, text and CLI.
+
+Compilation dominates the run time on CPU (one compile per shape and sampling mode), so the tests share a
+few module-scoped generations; everything uses one tiny model whose padded vocabulary rows are made huge.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.generate import GenerateError, generate, generate_text, main, trace_count
+from jaxgpt.model import GPT, TokenError
+from jaxgpt.precision import Policy
+
+V, VP, BS = 97, 128, 16  # real vocab, padded vocab rows, block_size
+CFG = GPTConfig(block_size=BS, vocab_size=V, padded_vocab_size=VP, n_layer=2, n_head=2, n_embd=32)
+PROMPT = [3, 14, 15, 92, 65]
+N_NEW = 30  # 5 + 30 > 16: the cached regime, then the cropped recompute regime
+PADDED_ROW_VALUE = 50.0
+
+
+def sharpen(model: GPT, seed: int, *, emb_std: float = 0.3, pos_std: float = 2.0) -> GPT:
+    """Replace GPT-2's tiny init (near-uniform next-token distributions) by O(1) activations and peaked
+    logits, so that positions and context visibly matter and greedy margins dwarf float rounding."""
+    rng = np.random.default_rng(seed)
+    state = nnx.state(model, nnx.Param)
+    new = {}
+    for path, var in nnx.to_flat_state(state):
+        shape = var.get_value().shape
+        name = path[-1]
+        if name == "kernel":
+            v = rng.normal(0.0, 1.0 / np.sqrt(shape[0]), shape)
+        elif name == "embedding":
+            v = rng.normal(0.0, pos_std if path[0] == "wpe" else emb_std, shape)
+        elif name == "scale":
+            v = 1.0 + rng.normal(0.0, 0.1, shape)
+        else:  # bias
+            v = rng.normal(0.0, 0.1, shape)
+        new[path] = jnp.asarray(v, jnp.float32)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(new[path])
+    nnx.update(model, state)
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    m = sharpen(GPT(CFG, policy=Policy.fp32(), rngs=nnx.Rngs(0)), seed=2)
+    # padded rows +-PADDED_ROW_VALUE * e_i: whatever the hidden state, some padded column gets a logit of
+    # PADDED_ROW_VALUE * max_i |h_i|, far above every real one; they must still never be produced
+    rows = np.zeros((VP - V, CFG.n_embd), np.float32)
+    for j in range(VP - V):
+        rows[j, j // 2] = PADDED_ROW_VALUE * (1 if j % 2 == 0 else -1)
+    emb = m.wte.embedding.get_value()
+    m.wte.embedding.set_value(emb.at[V:].set(rows))
+    return m
+
+
+@pytest.fixture(scope="module")
+def runs(model):
+    """The shared generations: (B=2, T=5, N=30) sampled / greedy / top_k=1, cached and uncached."""
+    sampled = dict(temperature=1.0, top_k=None, seed=7, num_samples=2)
+    greedy = dict(temperature=0.0, num_samples=2)
+    return {
+        "sampled": generate(model, PROMPT, max_new_tokens=N_NEW, **sampled),
+        "sampled_uncached": generate(model, PROMPT, max_new_tokens=N_NEW, use_cache=False, **sampled),
+        "greedy": generate(model, PROMPT, max_new_tokens=N_NEW, **greedy),
+        "greedy_uncached": generate(model, PROMPT, max_new_tokens=N_NEW, use_cache=False, **greedy),
+        "top1": generate(model, PROMPT, max_new_tokens=N_NEW, temperature=1.3, top_k=1, seed=5,
+                         num_samples=2),
+    }
+
+
+@jax.jit
+def _hidden(graphdef, state, idx):
+    return nnx.merge(graphdef, state).hidden(idx)[0]
+
+
+def hidden(model: GPT, idx) -> np.ndarray:
+    """Final hidden states of a plain forward pass (jitted: eager dispatch compiles every op per shape)."""
+    return np.asarray(_hidden(*nnx.split(model), jnp.asarray(idx)))
+
+
+def greedy_next(model: GPT, out: np.ndarray, ns) -> np.ndarray:
+    """nanoGPT's greedy step for each n in ``ns``: argmax of the logits at the last of the last
+    block_size tokens of ``out[0, :n]``, every context of the same length (batched in one forward)."""
+    ctx = np.stack([out[0, max(0, n - BS):n] for n in ns])
+    h = hidden(model, ctx)[:, -1]
+    return (h @ np.asarray(model.wte.embedding.get_value())[:V].T).argmax(-1)
+
+
+# ---- shapes and the returned prompt ---------------------------------------------------------------------------
+def test_shapes_and_prompt(runs, model):
+    for out in runs.values():
+        assert out.shape == (2, len(PROMPT) + N_NEW)
+        assert out.dtype == np.int32
+        np.testing.assert_array_equal(out[:, : len(PROMPT)], np.tile(PROMPT, (2, 1)))
+    out = generate(model, np.array([PROMPT, PROMPT[::-1]]), max_new_tokens=N_NEW, temperature=0.0)
+    assert out.shape == (2, len(PROMPT) + N_NEW)  # a (batch, seq) prompt, one sample per row
+    np.testing.assert_array_equal(out[0], runs["greedy"][0])
+
+
+def test_zero_new_tokens_returns_the_prompt(model):
+    out = generate(model, PROMPT, max_new_tokens=0, num_samples=3)
+    np.testing.assert_array_equal(out, np.tile(PROMPT, (3, 1)))
+
+
+# ---- determinism, seeds, compile cache --------------------------------------------------------------------------
+def test_same_seed_same_tokens_and_compiled_once(runs, model):
+    before = trace_count()
+    again = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=1.0, top_k=None, seed=7, num_samples=2)
+    np.testing.assert_array_equal(again, runs["sampled"])
+    other = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=0.7, top_k=None, seed=8, num_samples=2)
+    assert trace_count() == before  # same shapes: seed and temperature don't recompile
+    assert not np.array_equal(other, runs["sampled"])
+    # the two samples of one call are independent draws
+    assert not np.array_equal(runs["sampled"][0], runs["sampled"][1])
+
+
+def test_temperature_zero_is_greedy(runs, model):
+    out = runs["greedy"]
+    np.testing.assert_array_equal(out[0], out[1])
+    T0 = len(PROMPT)
+    # against direct forward passes: the first token, then every token from a full window on
+    # (the window's edge, then the cropped regime with positions restarting at 0)
+    assert greedy_next(model, out, [T0])[0] == out[0, T0]
+    ns = list(range(BS, T0 + N_NEW))
+    np.testing.assert_array_equal(greedy_next(model, out, ns), out[0, ns])
+    assert len(set(out[0, T0:].tolist())) > 3  # the sharpened model doesn't just repeat one token
+
+
+def test_top_k_one_is_greedy(runs):
+    np.testing.assert_array_equal(runs["top1"], runs["greedy"])
+
+
+def test_padded_vocab_is_never_sampled(runs, model):
+    # the huge padded rows would win the argmax if the lm_head kept their columns
+    h = hidden(model, runs["greedy"][:, :BS])
+    full = h @ np.asarray(model.wte.embedding.get_value()).T
+    assert (full.argmax(-1) >= V).all()
+    for out in runs.values():
+        assert out.max() < V and out.min() >= 0
+    many = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=1.0, top_k=None, seed=99, num_samples=2)
+    assert many.max() < V
+
+
+# ---- the cache and block_size cropping --------------------------------------------------------------------------
+def test_cached_equals_uncached_across_block_size(runs):
+    np.testing.assert_array_equal(runs["greedy"], runs["greedy_uncached"])
+    np.testing.assert_array_equal(runs["sampled"], runs["sampled_uncached"])
+
+
+def test_prompt_longer_than_block_size(model):
+    prompt = np.random.default_rng(0).integers(0, V, size=25)
+    out = generate(model, prompt, max_new_tokens=8, temperature=0.0)
+    assert out.shape == (1, 33)
+    np.testing.assert_array_equal(out[0, :25], prompt)  # the whole prompt comes back
+    ref = generate(model, prompt, max_new_tokens=8, temperature=0.0, use_cache=False)
+    np.testing.assert_array_equal(out, ref)
+    # each token: argmax after the last block_size tokens, positions from 0 (so the prompt's head is unused)
+    ns = list(range(25, 33))
+    np.testing.assert_array_equal(greedy_next(model, out, ns), out[0, ns])
+
+
+# ---- errors -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens=3, temperature=-0.5), "temperature"),
+    (dict(max_new_tokens=3, temperature=float("nan")), "temperature"),
+    (dict(max_new_tokens=3, top_k=-2), "top_k"),
+    (dict(max_new_tokens=3, num_samples=0), "num_samples"),
+    (dict(max_new_tokens=3, seed=-1), "seed"),
+])
+def test_bad_arguments(model, kwargs, match):
+    with pytest.raises(GenerateError, match=match):
+        generate(model, PROMPT, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, err, match", [
+    ([1, V], TokenError, "outside"),
+    ([-1, 2], TokenError, "outside"),
+    ([V + 5] + [1] * 20, TokenError, "outside"),  # out of range in the part cropped away, still refused
+    ([1.0, 2.0], TokenError, "integer"),
+    ([], GenerateError, "empty"),
+    ([[[1]]], GenerateError, "shape"),
+])
+def test_bad_prompts(model, prompt, err, match):
+    with pytest.raises(err, match=match):
+        generate(model, prompt, max_new_tokens=3)
+
+
+# ---- text and the command line ------------------------------------------------------------------------------------
+TEXT_ARGS = dict(max_new_tokens=6, temperature=0.9, top_k=20, seed=3, num_samples=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_model() -> GPT:
+    return GPT(GPTConfig.preset("tiny"), policy=Policy.fp32(), rngs=nnx.Rngs(0))  # = random:tiny
+
+
+def test_generate_text(tiny_text_model):
+    pytest.importorskip("jaxgpt.tokenizer")
+    texts = generate_text(tiny_text_model, "Hello, world", **TEXT_ARGS)
+    assert len(texts) == 2 and all(t.startswith("Hello, world") for t in texts)
+    assert texts == generate_text(tiny_text_model, "Hello, world", **TEXT_ARGS)
+    with pytest.raises(GenerateError, match="prompt"):
+        generate_text(tiny_text_model, 123, max_new_tokens=2)
+
+
+def test_cli_random_init(tiny_text_model, capsys):
+    pytest.importorskip("jaxgpt.tokenizer")
+    expected = generate_text(tiny_text_model, "Hello, world", **TEXT_ARGS)
+    rc = main(["--init-from", "random:tiny", "--prompt", "Hello, world", "--max-new-tokens", "6",
+               "--temperature", "0.9", "--top-k", "20", "--seed", "3", "--num-samples", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out == expected[0] + "\n" + "-" * 40 + "\n" + expected[1] + "\n"
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--init-from", "random:nope"], "unknown preset"),
+    (["--init-from", "random:tiny", "--prompt", "x", "--seed", str(2**40)], "seed"),
+])
+def test_cli_bad_values(argv, match, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and match in err and "Traceback" not in err
+
+
+def test_cli_checkpoint_dir_hook(tmp_path, capsys):
+    assert main(["--init-from", str(tmp_path)]) == 2
+    assert "checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--max-new-tokens", "-3"], ["--temperature", "hot"],
+                                  ["--precision", "fp8"], ["--top-k", "-1"], ["--num-samples", "0"]])
+def test_cli_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_cli_module_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt.generate", "--temperature", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "--temperature" in proc.stderr
