@@ -127,6 +127,11 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        # Types first (direct construction skips from_dict's checks), so range checks never hit a TypeError.
+        for field in ("dropout", "layer_norm_epsilon"):
+            v = getattr(self, field)
+            _require(name, field, v, isinstance(v, (int, float)) and not isinstance(v, bool), "must be a number")
+        _require(name, "bias", self.bias, isinstance(self.bias, bool), "must be true or false")
         for field in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, field)
             _require(name, field, v, isinstance(v, int) and not isinstance(v, bool) and v > 0,
