@@ -1,0 +1,627 @@
+"""Train GPT-2: ``python -m jaxgpt.train [--config configs/NAME.yaml] [--field=value ...]``.
+
+Without ``--config`` the default preset ``configs/shakespeare-cpu.yaml`` is used. Any field of
+:class:`TrainConfig` can be overridden on the command line, nested ones with dots, values parsed as YAML
+scalars::
+
+    python -m jaxgpt.train --config configs/gpt2-124m.yaml --optim.lr=3e-4 --max_steps=100 --model.n_layer=2
+
+Other flags: ``--print-config`` (print the resolved config as YAML and exit), ``-h/--help``.
+
+The run directory (``out_dir``) gets ``config.yaml``, ``metrics.jsonl`` (one JSON record per logged step and
+per evaluation), ``samples.txt``, ``loss.png``, TensorBoard events under ``tb/`` (when tensorboardX or
+torch's tensorboard is installed) and orbax checkpoints under ``checkpoints/`` (see :mod:`jaxgpt.checkpoint`).
+With ``resume: auto`` (the default) a run directory that holds a checkpoint is resumed from it: the
+continued run repeats the uninterrupted one's losses bit for bit on CPU.
+
+Exit codes: 0 done, 2 bad configuration or command line, 3 a non-finite loss stopped the run (the last good
+checkpoint is kept), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jaxgpt.config import PRESETS, ConfigError, GPTConfig, _type_name, from_dict, load_yaml, to_dict
+from jaxgpt.optim import OptimConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "shakespeare-cpu.yaml"
+# glibc's malloc hands XLA:CPU fresh pages for its big per-step buffers every step; these settings keep them
+# (+25-40% tokens/s on our 2-core CPUs, shared/notes/cpu-performance.md). They must be set before start-up,
+# so `main` re-executes the process once with them on CPU-only installs (JAXGPT_NO_MALLOC_TUNING=1: don't).
+MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs. Build it with :meth:`from_dict` (validates every field)."""
+
+    # ---- model ------------------------------------------------------------------------------------------
+    model_preset: str | None = None  # a jaxgpt.config.PRESETS name; `model` fields override its values
+    model: GPTConfig | None = None  # the model shape (init_from: scratch); resolved from model_preset
+    init_from: str = "scratch"  # "scratch", a Hugging Face name ("gpt2", "gpt2-medium", ...) or a local HF dir
+    dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # matmul operands; auto: bf16 where it is fast
+    attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
+    # ---- optimizer --------------------------------------------------------------------------------------
+    optim: OptimConfig = OptimConfig()
+    # ---- data -------------------------------------------------------------------------------------------
+    data_source: str = "shakespeare"  # a jaxgpt.data source: "shakespeare", "hf:NAME_OR_FILES", text globs
+    data_dir: str | None = None  # shards directory (prepared there if missing); None: data_cache/<source>
+    loader_mode: Literal["sequential", "random"] = "random"
+    batch_size: int = 8  # micro batch (rows per forward/backward), per process
+    seq_len: int = 256
+    total_batch_tokens: int | None = None  # tokens per optimizer step; None: batch_size * seq_len * processes
+    # ---- schedule ---------------------------------------------------------------------------------------
+    max_steps: int = 1000  # optimizer steps
+    log_interval: int = 1  # steps between metrics.jsonl / TensorBoard records
+    eval_interval: int = 100  # steps between validation losses (0: only at the end)
+    eval_steps: int = 20  # validation batches per evaluation (always the same first ones)
+    sample_interval: int = 0  # steps between samples (0: only at the end; -1: never)
+    sample_prompt: str = "\n"
+    sample_num: int = 2
+    sample_len: int = 64  # new tokens per sample
+    sample_temperature: float = 0.8
+    sample_top_k: int | None = 200
+    checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # the last K checkpoints are kept
+    async_checkpoint: bool = True
+    # ---- run --------------------------------------------------------------------------------------------
+    out_dir: str = "runs/default"
+    resume: Literal["auto", "never", "must"] = "auto"
+    seed: int = 1337
+    tensorboard: bool = True  # when tensorboardX or torch.utils.tensorboard (+ tensorboard) is importable
+    plot: bool = True  # loss.png at the end
+    progress: bool = True  # the tqdm progress bar
+
+    def __post_init__(self) -> None:
+        n = type(self).__name__
+
+        def check(field: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"{n}.{field} = {getattr(self, field)!r}: {allowed}")
+
+        for field in ("batch_size", "seq_len", "max_steps", "log_interval", "eval_steps", "sample_num",
+                      "keep_checkpoints"):
+            check(field, getattr(self, field) >= 1, "must be an integer >= 1")
+        for field in ("eval_interval", "checkpoint_interval", "sample_len", "seed"):
+            check(field, getattr(self, field) >= 0, "must be an integer >= 0")
+        check("sample_interval", self.sample_interval >= -1, "must be an integer >= -1 (-1: never sample)")
+        check("sample_temperature", self.sample_temperature >= 0, "must be >= 0 (0: greedy)")
+        check("sample_top_k", self.sample_top_k is None or self.sample_top_k >= 0, "must be null or >= 0")
+        check("dropout", self.dropout is None or 0.0 <= self.dropout < 1.0, "must be null or in [0, 1)")
+        check("total_batch_tokens", self.total_batch_tokens is None or self.total_batch_tokens >= 1,
+              "must be null or an integer >= 1")
+        if self.model_preset is not None and self.model_preset not in PRESETS:
+            raise ConfigError(f"{n}.model_preset = {self.model_preset!r}: valid presets are {sorted(PRESETS)}")
+        if self.init_from == "scratch":
+            check("model", self.model is not None, "init_from: scratch needs a model shape: set model_preset "
+                  f"(one of {sorted(PRESETS)}) and/or model fields")
+            check("seq_len", self.seq_len <= self.model.block_size,
+                  f"must be <= model.block_size ({self.model.block_size})")
+        else:
+            check("model", self.model is None and self.model_preset is None,
+                  f"init_from: {self.init_from} takes the model shape from the checkpoint; leave model and "
+                  "model_preset unset (use `dropout` to change the dropout rate)")
+
+    # ---- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """Validate and build; ``model`` fields are merged over ``model_preset``'s, numbers given as strings
+        (YAML reads ``3e-4`` as a string) become numbers where the field is numeric."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"TrainConfig: expected a mapping of fields, got {type(data).__name__}")
+        data = dict(data)
+        preset = data.get("model_preset")
+        if isinstance(preset, str) and preset in PRESETS:
+            model = data.get("model") or {}
+            if isinstance(model, GPTConfig):
+                model = to_dict(model)
+            if isinstance(model, dict):
+                data["model"] = {**PRESETS[preset], **model}
+        return from_dict(cls, _coerce_numbers(cls, data))
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        data = load_yaml(path or DEFAULT_CONFIG)
+        for dotted, value in (overrides or {}).items():
+            set_dotted(data, dotted, value)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    # ---- derived ----------------------------------------------------------------------------------------
+    def micro_steps(self, process_count: int = 1) -> int:
+        """Gradient-accumulation steps per optimizer step."""
+        per_micro = self.batch_size * self.seq_len * process_count
+        if self.total_batch_tokens is None:
+            return 1
+        if self.total_batch_tokens % per_micro:
+            lo = max(per_micro, self.total_batch_tokens // per_micro * per_micro)
+            raise ConfigError(
+                f"TrainConfig.total_batch_tokens = {self.total_batch_tokens:,}: must be a multiple of "
+                f"batch_size * seq_len * processes = {self.batch_size} * {self.seq_len} * {process_count} = "
+                f"{per_micro:,} (e.g. {lo:,} or {lo + per_micro:,})")
+        return self.total_batch_tokens // per_micro
+
+    def resolved_data_dir(self) -> Path:
+        if self.data_dir is not None:
+            return Path(self.data_dir)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.data_source.removeprefix("hf:"))
+        return Path("data_cache") / safe
+
+
+def _accepts(tp: Any, kind: type) -> bool:
+    if tp is kind:
+        return True
+    return any(_accepts(a, kind) for a in typing.get_args(tp)) if typing.get_origin(tp) in (
+        typing.Union, __import__("types").UnionType) else False
+
+
+def _coerce_numbers(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """Strings that spell numbers, in numeric fields, become numbers (recursively into nested configs)."""
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for k, v in data.items():
+        tp = hints.get(k)
+        if tp is None:
+            continue
+        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if nested and isinstance(v, dict):
+            out[k] = _coerce_numbers(nested[0], v)
+        elif isinstance(v, str) and not _accepts(tp, str):
+            try:
+                out[k] = int(v) if _accepts(tp, int) and v.strip().lstrip("+-").isdigit() else float(v)
+            except ValueError:
+                pass  # left for from_dict to reject with the field's name
+    return out
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``data["a"]["b"] = value`` for ``dotted = "a.b"`` (creating the nested mapping)."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for i, p in enumerate(parents):
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: {'.'.join(parents[: i + 1])} is not a mapping of fields")
+        node = child
+    node[leaf] = value
+
+
+# ---- command line ---------------------------------------------------------------------------------------
+class UsageError(ConfigError):
+    pass
+
+
+def _field_help(cls: type, prefix: str = "") -> list[str]:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if nested:
+            lines += _field_help(nested[0], f"{prefix}{f.name}.")
+        else:
+            lines.append(f"  --{prefix}{f.name}=<{_type_name(tp)}>")
+    return lines
+
+
+def usage() -> str:
+    return (__doc__.split("\n\n")[0] + "\n\nusage: python -m jaxgpt.train [--config FILE] [--print-config] "
+            "[--FIELD=VALUE ...]\n\nfields:\n" + "\n".join(_field_help(TrainConfig)))
+
+
+def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
+    """``--config FILE``, ``--print-config`` and ``--dotted.field=value`` / ``--dotted.field value``."""
+    config_path, overrides, print_config = None, {}, False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--":
+            raise UsageError(f"unexpected argument {arg!r}: overrides look like --field=value; see --help")
+        key, eq, value = arg[2:].partition("=")
+        if key == "print-config":
+            print_config = True
+            continue
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise UsageError(f"--{key} needs a value (--{key}=VALUE)")
+            value = argv[i]
+            i += 1
+        if key == "config":
+            config_path = Path(value)
+            continue
+        try:
+            overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            overrides[key.replace("-", "_")] = value
+    return config_path, overrides, print_config
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def count_params(params: Any, *, exclude_wpe: bool = False) -> int:
+    import jax
+
+    total = sum(int(x.size) for x in jax.tree.leaves(params))
+    if exclude_wpe:
+        wpe = params["wpe"] if "wpe" in params else None
+        total -= sum(int(x.size) for x in jax.tree.leaves(wpe)) if wpe is not None else 0
+    return total
+
+
+def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_steps: int) -> float:
+    """Model (matmul) FLOPs of one optimizer step on one process: jaxgpt.flops's analytic count, or until
+    that module is present PaLM's 6N + 12LTC per token (N = matmul params incl. the tied lm_head)."""
+    try:
+        from jaxgpt.flops import count_flops
+    except ImportError:
+        C, L = config.n_embd, config.n_layer
+        n_matmul = L * 12 * C * C + config.vocab_rows * C
+        return float((6 * n_matmul + 12 * L * seq_len * C) * seq_len * batch_size * micro_steps)
+    return float(count_flops(config, seq_len, batch_size=batch_size, grad_accum=micro_steps).training_per_step)
+
+
+def device_peak_flops(dtype: str) -> tuple[float | None, str]:
+    """Peak FLOP/s of one local device for MFU, and where the number came from."""
+    import jax
+
+    try:
+        from jaxgpt import account
+    except ImportError:
+        return None, "unknown (jaxgpt.account not available)"
+    dev = jax.local_devices()[0]
+    try:
+        if dev.platform == "cpu":
+            return float(account.measure_cpu_peak()), "measured CPU GEMM probe"
+        return float(account.peak_flops(dev, dtype)), f"table ({dev.device_kind}, {dtype})"
+    except Exception as e:  # an unknown device: no MFU, but train anyway
+        return None, f"unknown ({type(e).__name__}: {e})"
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard when importable)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None):
+        self.path = run_dir / "metrics.jsonl"
+        if truncate_after is not None and self.path.exists():  # resumed: drop what the killed run logged later
+            keep = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            tmp.replace(self.path)
+        elif truncate_after is None and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a", buffering=1)
+        self.tb = None
+        if tensorboard:
+            self.tb = _summary_writer(run_dir / "tb")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            kind = record["type"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step",) and v is not None:
+                    self.tb.add_scalar(f"{kind}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _summary_writer(logdir: Path):
+    for mod in ("tensorboardX", "torch.utils.tensorboard"):
+        try:
+            return __import__(mod, fromlist=["SummaryWriter"]).SummaryWriter(str(logdir))
+        except Exception:  # not installed (torch's needs the tensorboard package)
+            continue
+    return None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """loss.png: train and val loss against step, from metrics.jsonl."""
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
+    val = [(r["step"], r["val_loss"]) for r in records if r["type"] == "eval"]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(run_dir) / "loss.png"
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+# ---- the run --------------------------------------------------------------------------------------------
+def build_model(cfg: TrainConfig, policy):
+    """The GPT to train: fresh (init_from: scratch) or with Hugging Face weights."""
+    from flax import nnx
+
+    from jaxgpt.model import GPT
+
+    if cfg.init_from == "scratch":
+        model_cfg = cfg.model if cfg.dropout is None else cfg.model.replace(dropout=cfg.dropout)
+        return GPT(model_cfg, policy=policy, rngs=nnx.Rngs(params=cfg.seed))
+    from jaxgpt import weights
+
+    hf_config, ref = weights.load_hf(cfg.init_from)
+    if cfg.dropout is not None:
+        hf_config = hf_config.replace(dropout=cfg.dropout)
+    if cfg.seq_len > hf_config.block_size:
+        raise ConfigError(f"TrainConfig.seq_len = {cfg.seq_len}: must be <= the checkpoint's block_size "
+                          f"({hf_config.block_size})")
+    return weights.from_torch_state_dict(ref, hf_config, policy=policy)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) training; returns a summary. Raises NonFiniteLoss on a NaN/inf loss."""
+    import jax
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from jaxgpt import data as data_lib
+    from jaxgpt import step as step_lib
+    from jaxgpt.checkpoint import Checkpoints, NoCheckpointError
+    from jaxgpt.optim import make_optimizer
+    from jaxgpt.precision import Policy
+
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pcount, pindex = jax.process_count(), jax.process_index()
+    micro_steps = cfg.micro_steps(pcount)
+    tokens_per_step = micro_steps * cfg.batch_size * cfg.seq_len * pcount
+    say = tqdm.write
+
+    # ---- data -----------------------------------------------------------------------------------------
+    data_dir = cfg.resolved_data_dir()
+    if not (data_dir / data_lib.MANIFEST_NAME).exists():
+        if cfg.data_source.startswith(data_lib.HF_PREFIX):  # large: prepared on purpose, with its options
+            raise ConfigError(f"{data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
+                              f"`python -m jaxgpt.data --hf-dataset ... --out {data_dir}` (see the config file)")
+        data_lib.prepare(cfg.data_source, data_dir)
+    train_loader = data_lib.DataLoader(data_dir, "train", cfg.batch_size * micro_steps, cfg.seq_len,
+                                       mode=cfg.loader_mode, seed=cfg.seed, process_index=pindex,
+                                       process_count=pcount)
+    val_loader = data_lib.DataLoader(data_dir, "val", cfg.batch_size, cfg.seq_len, mode="sequential",
+                                     seed=cfg.seed, process_index=pindex, process_count=pcount)
+
+    # ---- model, optimizer, state ----------------------------------------------------------------------
+    policy = Policy.named(cfg.precision, attention=cfg.attention)
+    model = build_model(cfg, policy)
+    model_cfg = model.config
+    optimizer = make_optimizer(cfg.optim)
+    graphdef, state = step_lib.init_train_state(model, optimizer)
+    del model
+    saved_config = {**cfg.to_dict(), "model": to_dict(model_cfg)}
+    train_step = step_lib.make_train_step(graphdef, optimizer, micro_steps=micro_steps,
+                                          dropout=model_cfg.dropout > 0)
+    eval_step = step_lib.make_eval_step(graphdef)
+    rng = jax.random.key(cfg.seed)
+
+    # ---- resume ---------------------------------------------------------------------------------------
+    ckpts = Checkpoints(run_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
+    start_step, latest = 0, ckpts.latest_step()
+    if cfg.resume == "must" and latest is None:
+        raise NoCheckpointError(f"resume: must, but {ckpts.directory} holds no complete checkpoint")
+    if cfg.resume == "never" and latest is not None:
+        raise ConfigError(f"resume: never, but {run_dir} already holds checkpoints (steps {ckpts.all_steps()}); "
+                          "use resume: auto to continue that run, or another out_dir")
+    if latest is not None:
+        r = ckpts.restore(latest, params=state.params, opt_state=state.opt_state, requested_config=saved_config)
+        state = state.replace(step=jax.numpy.asarray(r.step, dtype=state.step.dtype), params=r.params,
+                              opt_state=r.opt_state)
+        rng = r.rng_key
+        train_loader.load_state_dict(r.loader_state)
+        start_step = r.step
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
+
+    metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, truncate_after=start_step if latest else None)
+    n_params = count_params(state.params)
+    step_flops = flops_per_step(model_cfg, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                micro_steps=micro_steps) * pcount
+    peak, peak_src = device_peak_flops(policy.compute_dtype)
+    n_dev = jax.local_device_count()
+    say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({model_cfg.n_layer}L {model_cfg.n_head}H "
+        f"{model_cfg.n_embd}C, vocab rows {model_cfg.vocab_rows}), init {cfg.init_from}, {policy.compute_dtype} "
+        f"compute, {n_dev} x {jax.devices()[0].device_kind}, {pcount} process(es)")
+    say(f"  batch: {tokens_per_step:,} tokens/step = {micro_steps} micro step(s) x {cfg.batch_size} x "
+        f"{cfg.seq_len} x {pcount} process(es); data {data_dir} ({train_loader.num_tokens:,} train tokens); "
+        f"peak {'?' if peak is None else f'{peak / 1e12:.2f} TFLOP/s'} ({peak_src})")
+    say(f"  run dir {run_dir}" + (f"; resumed from step {start_step}" if latest else ""))
+
+    val_state = val_loader.state_dict()
+
+    def evaluate(params) -> float:
+        val_loader.load_state_dict(val_state)  # the same batches every time
+        losses = []
+        for _ in range(cfg.eval_steps):
+            x, y = val_loader.next_batch()
+            losses.append(eval_step(params, x, y))
+        return float(np.mean([float(v) for v in losses]))
+
+    def sample(params, step: int) -> None:
+        from flax import nnx
+
+        from jaxgpt.generate import generate_text
+
+        texts = generate_text(nnx.merge(graphdef, params), cfg.sample_prompt, max_new_tokens=cfg.sample_len,
+                              temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                              seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
+        block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
+        with open(run_dir / "samples.txt", "a") as f:
+            f.write(block)
+        say(block.rstrip())
+
+    def save(step: int, extra: dict[str, Any]) -> None:
+        if ckpts.latest_step() == step:
+            return
+        ckpts.save(step, params=state.params, opt_state=state.opt_state, config=saved_config, rng_key=rng,
+                   loader_state=train_loader.state_dict(), extra=extra)
+
+    last: dict[str, Any] = {}
+    val_loss = None
+    steady_tokens, steady_time, compile_s = 0, 0.0, None
+    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, unit="step",
+               disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    try:
+        if start_step == 0 and cfg.eval_interval > 0:
+            val_loss = evaluate(state.params)
+            metrics.write({"type": "eval", "step": 0, "val_loss": val_loss})
+            say(f"step 0: val loss {val_loss:.4f}")
+        for i in bar:
+            step = i + 1
+            x, y = train_loader.next_batch()
+            x = x.reshape(micro_steps, cfg.batch_size, cfg.seq_len)
+            y = y.reshape(micro_steps, cfg.batch_size, cfg.seq_len)
+            step_lib.check_batch(x, y, model_cfg)
+            rng, key = jax.random.split(rng)
+            t0 = time.perf_counter()
+            state, m = train_step(state, x, y, key)
+            loss, grad_norm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
+            dt = time.perf_counter() - t0
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                ckpts.wait()
+                raise NonFiniteLoss(
+                    f"step {step}: loss {loss}, grad norm {grad_norm}: training diverged (lower optim.lr or "
+                    f"raise optim.warmup_steps). The last good checkpoint is step {ckpts.latest_step()} in "
+                    f"{ckpts.directory}" if ckpts.latest_step() is not None else
+                    f"step {step}: loss {loss}, grad norm {grad_norm}: training diverged before any checkpoint "
+                    "was written (lower optim.lr or raise optim.warmup_steps)")
+            if compile_s is None:
+                compile_s = dt
+            else:
+                steady_tokens += tokens_per_step
+                steady_time += dt
+            tok_s = tokens_per_step / dt
+            mfu = step_flops / dt / (peak * n_dev) if peak else None
+            last = {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                    "step_time": dt, "tokens_per_s": tok_s, "flops_per_s": step_flops / dt, "mfu": mfu,
+                    "tokens": step * tokens_per_step}
+            if step % cfg.log_interval == 0 or step == cfg.max_steps:
+                metrics.write(last)
+            bar.set_postfix({"loss": f"{loss:.4f}", "lr": f"{lr:.2e}", "tok/s": f"{tok_s:,.0f}",
+                             **({"mfu": f"{mfu:.1%}"} if mfu is not None else {})}, refresh=False)
+            if cfg.eval_interval and step % cfg.eval_interval == 0 and step != cfg.max_steps:
+                val_loss = evaluate(state.params)
+                metrics.write({"type": "eval", "step": step, "val_loss": val_loss})
+                say(f"step {step}: train loss {loss:.4f}, val loss {val_loss:.4f}")
+            if cfg.sample_interval > 0 and step % cfg.sample_interval == 0 and step != cfg.max_steps:
+                sample(state.params, step)
+            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
+                save(step, {"loss": loss})
+        bar.close()
+        final_step = max(start_step, cfg.max_steps)
+        val_loss = evaluate(state.params)
+        metrics.write({"type": "eval", "step": final_step, "val_loss": val_loss})
+        if cfg.sample_interval >= 0:
+            sample(state.params, final_step)
+        save(final_step, {"loss": last.get("loss")})
+    finally:
+        bar.close()
+        ckpts.close()
+        metrics.close()
+        if cfg.plot:
+            plot_losses(run_dir)
+    wall = time.perf_counter() - t_start
+    summary = {"steps": cfg.max_steps, "start_step": start_step, "train_loss": last.get("loss"),
+               "val_loss": val_loss, "wall_s": wall, "compile_s": compile_s,
+               "tokens_per_s": steady_tokens / steady_time if steady_time else None,
+               "tokens": cfg.max_steps * tokens_per_step, "run_dir": str(run_dir)}
+    say(f"done: step {final_step}, train loss {summary['train_loss']}, val loss {val_loss:.4f}, "
+        f"{wall:.1f} s wall, " + (f"{summary['tokens_per_s']:,.0f} tok/s (steady), " if steady_time else "")
+        + f"run dir {run_dir}")
+    with open(run_dir / "summary.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
+
+
+def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
+    if os.environ.get("GLIBC_TUNABLES") or os.environ.get("JAXGPT_NO_MALLOC_TUNING") or sys.platform != "linux":
+        return
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+        return  # an accelerator install: the host allocator is not the bottleneck
+    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    os.execve(sys.executable, [sys.executable, "-m", "jaxgpt.train", *argv], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from_cli = argv is None
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
+    try:
+        config_path, overrides, print_config = parse_args(argv)
+        cfg = TrainConfig.load(config_path, overrides)
+        cfg.micro_steps()  # divisibility, before anything starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    if from_cli:
+        _maybe_reexec_with_malloc_tuning(argv)
+    from jaxgpt.checkpoint import NoCheckpointError
+    from jaxgpt.data import DataError
+    from jaxgpt.weights import CheckpointError
+
+    try:
+        train(cfg)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (ConfigError, NoCheckpointError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
