@@ -23,6 +23,7 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -55,6 +56,19 @@ def check_tokens(idx, config: GPTConfig, *, name: str = "idx") -> None:
         bad = values[(values < 0) | (values >= config.vocab_size)]
         raise TokenError(f"{name} holds token ids outside [0, {config.vocab_size}): e.g. {bad[:5].tolist()} "
                          f"(min {lo}, max {hi}); ids must come from the GPT-2 tokenizer")
+
+
+def check_cache_positions(pos, seq: int, cache_len: int, config: GPTConfig) -> None:
+    """Refuse decoding past the KV cache or the position table, which would otherwise go wrong silently
+    (``dynamic_update_slice`` clamps the write index; ``wpe`` returns NaN rows). Checked when ``pos`` is
+    concrete (outside ``jit``)."""
+    if isinstance(pos, jax.core.Tracer):
+        return
+    pos, limit = int(pos), min(cache_len, config.block_size)
+    if pos < 0 or pos + seq > limit:
+        raise TokenError(f"decoding {seq} token(s) at position {pos} needs positions [{pos}, {pos + seq}), but the "
+                         f"KV cache holds {cache_len} and block_size is {config.block_size}: positions must lie "
+                         f"in [0, {limit})")
 
 
 def dropout(x: Array, rate: float, key: jax.Array | None) -> Array:
@@ -138,7 +152,7 @@ class Linear(nnx.Module):
         self.policy = policy
 
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
-        y = self.policy.einsum("...i,io->...o", x, self.kernel.value)  # fp32 accumulation
+        y = self.policy.matmul(x, self.kernel.value)  # fp32 accumulation
         return y + self.bias.value if self.bias is not None else y
 
 
@@ -231,6 +245,8 @@ class GPT(nnx.Module):
         """Final hidden states (after ln_f), fp32; with a cache, tokens sit at positions [pos, pos+T)."""
         check_tokens(idx, self.config)
         T = idx.shape[1]
+        if cache is not None:
+            check_cache_positions(pos, T, cache.k.shape[2], self.config)
         keys = _split(dropout_key, self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
         x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
@@ -255,8 +271,13 @@ class GPT(nnx.Module):
 
     def loss(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"], *, dropout_key=None
              ) -> Float[Array, ""]:
-        """Mean next-token cross-entropy in fp32."""
+        """Mean next-token cross-entropy in fp32 (padded vocabulary columns excluded)."""
+        check_tokens(targets, self.config, name="targets")  # never gathered out of range or wrapped
         h, _ = self.hidden(idx, dropout_key=dropout_key)
+        if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
+            return ops.lm_head_cross_entropy(h, self.wte.embedding.value, targets,
+                                             vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
+                                             precision=self.policy.lax_precision)
         return cross_entropy(self.logits(h), targets)
 
     # ---- incremental decoding -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
 DType = Literal["float32", "bfloat16"]
@@ -35,7 +36,8 @@ class Policy:
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     attention: Attention = "auto"  # auto: cuDNN on GPU with bf16 compute, XLA's fused path otherwise
-    matmul_precision: Literal["default", "high", "highest"] = "default"
+    matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
+    fast_kernels: bool = True  # jaxgpt.ops: bf16-friendly matmul VJP, chunked fused lm_head cross-entropy
 
     def __post_init__(self) -> None:
         if self.param_dtype != "float32":
@@ -72,8 +74,9 @@ class Policy:
         return jnp.dtype(self.compute_dtype)
 
     @property
-    def lax_precision(self) -> jax.lax.Precision:
-        return {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
+    def lax_precision(self) -> jax.lax.Precision | None:
+        """None for "default", so ``jax.default_matmul_precision(...)`` (as parity tests set) still applies."""
+        return {"default": None, "high": jax.lax.Precision.HIGH,
                 "highest": jax.lax.Precision.HIGHEST}[self.matmul_precision]
 
     def cast(self, x: Array) -> Array:
@@ -84,6 +87,12 @@ class Policy:
         """A matmul under the policy: operands in compute dtype, fp32 accumulation, fp32 result."""
         return jnp.einsum(spec, self.cast(a), self.cast(b), precision=self.lax_precision,
                           preferred_element_type=jnp.float32)
+
+    def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
+        """``x @ w`` under the policy (what every Linear layer calls)."""
+        if self.fast_kernels and self.compute_dtype == "bfloat16":
+            return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
+        return self.einsum("...i,io->...o", x, w)
 
     def attention_impl(self) -> Literal["xla", "cudnn", "reference"]:
         if self.attention != "auto":
