@@ -5,7 +5,8 @@ Sources (``prepare(source, out_dir)`` / ``python -m jaxgpt.data``):
 * local text files or globs (each file is one document): ``prepare(["books/*.txt"], ...)``,
   ``--input 'books/*.txt'``;
 * a Hugging Face ``datasets`` dataset with a text column, by hub name or from local
-  ``.jsonl``/``.json``/``.parquet``/``.csv``/``.txt`` files (each row is one document):
+  ``.jsonl``/``.json``/``.parquet``/``.csv``/``.txt`` files (each row is one document; for ``.txt``, each
+  line, through ``datasets``' text builder):
   ``prepare("hf:roneneldan/TinyStories", ...)``, ``--hf-dataset 'dump/*.parquet' --text-column text``;
 * named sources: ``"shakespeare"``, tiny Shakespeare (1,115,394 bytes, 338,025 GPT-2 tokens), found by the
   first route that works, in this order:
@@ -171,6 +172,7 @@ class Corpus:
     sha256: str  # fingerprint of the raw input (sha256 of the file for a single file)
     num_documents: int
     documents: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+    files: tuple[Path, ...] = ()  # the local input files, where there are any
 
 
 def _files_fingerprint(paths: Sequence[Path]) -> str:
@@ -189,6 +191,7 @@ def _read_text(path: Path) -> str:
 def expand_paths(patterns: Sequence[str | Path]) -> list[Path]:
     """Files named by paths or globs (``**`` allowed), in order, each once; a pattern matching nothing is an error."""
     out: list[Path] = []
+    seen: set[Path] = set()
     for pattern in patterns:
         pattern = str(pattern)
         if glob.has_magic(pattern):
@@ -202,7 +205,8 @@ def expand_paths(patterns: Sequence[str | Path]) -> list[Path]:
             if not path.is_file():
                 raise DataError(f"input file {pattern} does not exist")
             matches = [path]
-        out += [m for m in matches if m not in out]
+        out += [m for m in matches if m not in seen]
+        seen.update(matches)
     return out
 
 
@@ -225,6 +229,7 @@ def text_files_corpus(
         sha256=_files_fingerprint(paths),
         num_documents=len(paths),
         documents=lambda: (_read_text(p) for p in paths),
+        files=tuple(paths),
     )
 
 
@@ -256,7 +261,7 @@ def hf_corpus(
             f"Hugging Face dataset {spec!r} has no column {text_column!r}; its columns are {ds.column_names} "
             "(choose one with --text-column)"
         )
-    fingerprint = _files_fingerprint(files) if files else str(ds._fingerprint)
+    fingerprint = _files_fingerprint(files) if files else str(getattr(ds, "_fingerprint", len(ds)))
     column = ds.select_columns([text_column])
 
     def documents() -> Iterator[str]:
@@ -264,14 +269,18 @@ def hf_corpus(
             for text in batch[text_column]:
                 yield "" if text is None else str(text)
 
-    kind = "local files" if files else "hub dataset"
+    if files:
+        what = f"local files {spec!r}"
+    else:
+        what = f"hub dataset {spec!r}" + (f" config {config!r}" if config else "") + f" split {split!r}"
     return Corpus(
         name=name or _safe_name(Path(spec).stem if files else spec.rstrip("/").split("/")[-1]),
-        source=f"Hugging Face {kind} {spec!r} (config {config}, split {split!r}, column {text_column!r})",
+        source=f"Hugging Face {what}, column {text_column!r}",
         route="hf",
         sha256=sha256_bytes(f"{fingerprint}|{config}|{split}|{text_column}".encode()),
         num_documents=len(column),
         documents=documents,
+        files=tuple(files),
     )
 
 
@@ -306,7 +315,7 @@ def shakespeare_corpus(cache_dir: str | Path | None = None, *, verbose: bool = T
         corpus = find(cache, tried)
         if corpus is not None:
             if verbose:
-                for reason in tried:
+                for reason in tried if not corpus.route.startswith("local") else []:
                     _log(f"shakespeare: skipped {reason}")
                 _log(f"shakespeare: route {corpus.route}: {corpus.source}")
             return corpus
@@ -363,7 +372,10 @@ def _shakespeare_download(cache: Path, tried: list[str]) -> Corpus | None:
         tried.append(f"download: {SHAKESPEARE_URL}: sha256 {sha256_bytes(data)}, expected {SHAKESPEARE_SHA256}")
         return None
     path = cache / "tinyshakespeare.txt"
-    atomic_write_bytes(path, data)
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as e:
+        raise DataError(f"cannot write the downloaded text to {path} ({e}); set JAXGPT_CACHE_DIR or --cache-dir") from e
     return _tiny_shakespeare(path, "download", f"downloaded from {SHAKESPEARE_URL} to")
 
 
@@ -681,12 +693,14 @@ class Shard:
 
 def read_shard(bin_path: Path) -> Shard:
     """A shard's sidecar header, checked against the ``.bin`` file's size."""
+    if not bin_path.is_file():
+        raise DataError(f"shard {bin_path} is missing; re-run prepare / python -m jaxgpt.data")
     header = _read_json(bin_path.with_suffix(".json"))
     if header is None or header.get("format") != SHARD_FORMAT:
         raise DataError(f"{bin_path}: missing or invalid sidecar {bin_path.with_suffix('.json').name}")
     if header.get("dtype") != "uint16" or header.get("byte_order") != "little":
         raise DataError(f"{bin_path}: dtype {header.get('dtype')}/{header.get('byte_order')}, expected uint16/little")
-    size = bin_path.stat().st_size if bin_path.is_file() else -1
+    size = bin_path.stat().st_size
     if size != 2 * header.get("num_tokens", -1):
         raise DataError(f"{bin_path}: {size} bytes, but its header says {header.get('num_tokens')} uint16 tokens")
     return Shard(bin_path, int(header["num_tokens"]), header)
@@ -764,6 +778,7 @@ class DataLoader:
         self.num_tokens = sum(s.num_tokens for s in self.shards)
         self._memmaps: dict[int, np.memmap] = {}
         self._windows = [(s.num_tokens - 1) // self.tokens_per_batch // self.process_count for s in self.shards]
+        self._random_starts = np.array([max(s.num_tokens - self.seq_len, 0) for s in self.shards], dtype=np.int64)
         self._check_enough_tokens()
         self.reset()
 
@@ -834,7 +849,7 @@ class DataLoader:
 
     def _random_rows(self) -> Int32[np.ndarray, "batch seq+1"]:
         rng = np.random.default_rng([self.seed, 1, self.process_index, self.step])
-        starts_per_shard = np.array([max(s.num_tokens - self.seq_len, 0) for s in self.shards], dtype=np.int64)
+        starts_per_shard = self._random_starts  # valid start positions of each shard
         ends = np.cumsum(starts_per_shard)
         picks = rng.integers(0, ends[-1], size=self.batch_size)
         shard_ids = np.searchsorted(ends, picks, side="right")

