@@ -61,7 +61,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Sequence
