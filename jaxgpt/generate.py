@@ -11,7 +11,8 @@ softmax. ``temperature == 0`` is greedy decoding (argmax). The model's logits co
 only, so padded-vocabulary ids can never be sampled.
 
 How it runs (``use_cache=True``, the default): one jit-compiled pure function per (batch, prompt length,
-max_new_tokens) shape (plus the static sampling mode: greedy or not, top_k), cached across calls:
+max_new_tokens) shape and ``top_k`` (static: it sets the shape of ``lax.top_k``), cached across calls; the
+seed and the temperature (0 = greedy included) are traced, so changing them does not recompile:
 
 1. prefill: the prompt (its last ``block_size`` tokens) goes through the model once, filling a KV cache;
 2. decode: a ``fori_loop`` feeds each new token through ``GPT.decode``-style incremental steps at its
@@ -70,28 +71,36 @@ def trace_count() -> int:
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------
-def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | float, *, greedy: bool,
+def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | float, *,
                   top_k: int | None) -> jax.Array:
     """One token per row from ``logits`` (batch, vocab), nanoGPT's way.
 
-    ``greedy``: argmax. Otherwise ``logits / temperature``, then (if ``top_k``) every logit below the
-    ``top_k``-th largest is set to -inf, then a categorical draw from the softmax. Returns int32 (batch,).
+    ``temperature == 0``: argmax. Otherwise ``logits / temperature``, then (if ``top_k``) every logit below
+    the ``top_k``-th largest is set to -inf (ties with it are kept), then a categorical draw from the
+    softmax. ``temperature`` may be traced (greedy and sampling share one compiled function); ``top_k`` is
+    static. Returns int32 (batch,).
     """
     logits = logits.astype(jnp.float32)
-    if greedy:
+    temperature = jnp.asarray(temperature, jnp.float32)
+
+    def sample():
+        scaled = logits / jnp.where(temperature == 0, 1.0, temperature)
+        if top_k is not None:
+            kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][..., -1:]
+            scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        # categorical(logits) draws from softmax(logits) (Gumbel-max); -inf logits are never drawn.
+        return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+    def greedy():
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    # categorical(logits) draws from softmax(logits) (Gumbel-max); -inf logits are never drawn.
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(temperature == 0, greedy, sample)
 
 
 # ---- the compiled generation function --------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "greedy", "top_k", "use_cache"))
-def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, greedy: bool,
-                       top_k: int | None, use_cache: bool):
+@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "top_k", "use_cache"))
+def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, top_k: int | None,
+                       use_cache: bool):
     """Tokens (batch, T0 + n_new): ``ctx`` (batch, T0 <= block_size) followed by ``n_new`` new tokens."""
     _TRACES["cached" if use_cache else "uncached"] += 1  # runs only while tracing
     model = nnx.merge(graphdef, state)
@@ -102,7 +111,7 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, gr
     buf = jnp.zeros((B, L), jnp.int32).at[:, :T0].set(ctx)
 
     def sample(logits, i):
-        return sample_logits(logits, keys[i], temperature, greedy=greedy, top_k=top_k)
+        return sample_logits(logits, keys[i], temperature, top_k=top_k)
 
     def put(buf, i, tok):  # new token i sits at absolute index T0 + i of the sequence
         return jax.lax.dynamic_update_slice(buf, tok[:, None], (0, T0 + i))
@@ -207,15 +216,12 @@ def generate(
     if max_new_tokens == 0:
         return prompt
 
-    greedy = float(temperature) == 0.0
-    if greedy or not top_k or top_k >= config.vocab_size:
+    if not top_k or top_k >= config.vocab_size:
         top_k = None  # no filtering (and one compiled function for all of these)
     graphdef, state = nnx.split(model)
     out = _generate_compiled(
-        graphdef, state, jnp.asarray(ctx), jax.random.key(seed),
-        jnp.float32(1.0 if greedy else temperature),
-        n_new=int(max_new_tokens), greedy=greedy, top_k=None if top_k is None else int(top_k),
-        use_cache=bool(use_cache),
+        graphdef, state, jnp.asarray(ctx), jax.random.key(seed), jnp.float32(temperature),
+        n_new=int(max_new_tokens), top_k=None if top_k is None else int(top_k), use_cache=bool(use_cache),
     )
     new = np.asarray(out)[:, ctx.shape[1]:]
     return np.concatenate([prompt, new], axis=1)
@@ -251,25 +257,30 @@ def generate_text(
 
 
 # ---- loading a model ------------------------------------------------------------------------------------
-def load_checkpoint(path: str | Path, *, policy: Policy) -> GPT:
-    """Hook for jaxgpt training checkpoints (a directory that is not a Hugging Face model directory).
+def load_checkpoint(path: str | Path, *, policy: Policy, step: int | None = None) -> GPT:
+    """The model of a jaxgpt training run (``jaxgpt.checkpoint``): ``path`` is the run directory (or its
+    ``checkpoints/`` subdirectory); ``step`` defaults to the latest complete checkpoint."""
+    from jaxgpt import checkpoint
 
-    The training code will provide the loader; until then this refuses clearly.
-    """
-    raise GenerateError(f"--init-from {str(path)!r}: this directory is not a Hugging Face GPT-2 directory "
-                        "(no config.json with model_type), and loading jaxgpt training checkpoints is not "
-                        "implemented yet")
+    path = Path(path)
+    if path.name == checkpoint.CHECKPOINT_SUBDIR and not (path / checkpoint.CHECKPOINT_SUBDIR).is_dir():
+        path = path.parent
+    try:
+        return checkpoint.load_model(path, step=step, policy=policy)
+    except (OSError, ValueError) as e:  # NoCheckpointError, CheckpointMismatchError, unreadable files
+        raise GenerateError(f"--init-from {str(path)!r}: not a Hugging Face GPT-2 directory (no config.json), "
+                            f"and no jaxgpt training checkpoint could be loaded from it: {e}") from e
 
 
 def _is_hf_dir(path: Path) -> bool:
-    if (path / "config.json").is_file():
-        return True
-    return any((path / f).is_file() for f in ("model.safetensors", "pytorch_model.bin"))
+    return (path / "config.json").is_file() or any((path / f).is_file() for f in
+                                                   ("model.safetensors", "pytorch_model.bin"))
 
 
-def load_model(init_from: str, *, policy: Policy, seed: int = 0) -> GPT:
+def load_model(init_from: str, *, policy: Policy, seed: int = 0, step: int | None = None) -> GPT:
     """A GPT from ``init_from``: ``random:PRESET`` (random init with ``seed``), a directory (a Hugging Face
-    GPT-2 directory, else a jaxgpt training checkpoint), or a Hugging Face model name ("gpt2", ...)."""
+    GPT-2 directory if it holds config.json or weights, else a jaxgpt training run directory, whose
+    checkpoint ``step`` is loaded, default the latest), or a Hugging Face model name ("gpt2", ...)."""
     if init_from.startswith("random:"):
         preset = init_from.split(":", 1)[1]
         if preset not in PRESETS:
@@ -278,7 +289,10 @@ def load_model(init_from: str, *, policy: Policy, seed: int = 0) -> GPT:
         return GPT(GPTConfig.preset(preset), policy=policy, rngs=nnx.Rngs(seed))
     path = Path(init_from)
     if path.is_dir() and not _is_hf_dir(path):
-        return load_checkpoint(path, policy=policy)
+        return load_checkpoint(path, policy=policy, step=step)
+    if step is not None:
+        raise GenerateError(f"--step {step}: only a training run directory has steps; "
+                            f"--init-from {init_from!r} is not one")
     try:
         from jaxgpt.weights import from_hf
     except ImportError as e:
@@ -322,8 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--init-from", default="gpt2",
                    help="a Hugging Face model name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a Hugging Face "
-                        "GPT-2 directory, a jaxgpt checkpoint directory, or random:PRESET for a random "
+                        "GPT-2 directory, a jaxgpt training run directory, or random:PRESET for a random "
                         f"model (presets: {', '.join(sorted(PRESETS))}) (default: gpt2)")
+    p.add_argument("--step", type=_int_at_least(0), default=None,
+                   help="with a training run directory: the checkpoint step (default: the latest)")
     p.add_argument("--prompt", default="", help="the text to continue (default: empty = unconditional)")
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=100)
     p.add_argument("--temperature", type=_temperature, default=1.0, help="0 = greedy (default: 1.0)")
@@ -343,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.seed >= 2**32:
             raise GenerateError(f"--seed {args.seed}: must be < 2**32")
         policy = Policy.named(args.precision)
-        model = load_model(args.init_from, policy=policy)
+        model = load_model(args.init_from, policy=policy, step=args.step)
         t0 = time.perf_counter()
         texts = generate_text(model, args.prompt, max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,

@@ -68,7 +68,7 @@ def model() -> GPT:
 def runs(model):
     """The shared generations: (B=2, T=5, N=30) sampled / greedy / top_k=1, cached and uncached."""
     sampled = dict(temperature=1.0, top_k=None, seed=7, num_samples=2)
-    greedy = dict(temperature=0.0, num_samples=2)
+    greedy = dict(temperature=0.0, top_k=None, num_samples=2)  # top_k is ignored when greedy
     return {
         "sampled": generate(model, PROMPT, max_new_tokens=N_NEW, **sampled),
         "sampled_uncached": generate(model, PROMPT, max_new_tokens=N_NEW, use_cache=False, **sampled),
@@ -103,7 +103,8 @@ def test_shapes_and_prompt(runs, model):
         assert out.shape == (2, len(PROMPT) + N_NEW)
         assert out.dtype == np.int32
         np.testing.assert_array_equal(out[:, : len(PROMPT)], np.tile(PROMPT, (2, 1)))
-    out = generate(model, np.array([PROMPT, PROMPT[::-1]]), max_new_tokens=N_NEW, temperature=0.0)
+    out = generate(model, np.array([PROMPT, PROMPT[::-1]]), max_new_tokens=N_NEW, temperature=0.0,
+                   top_k=None)
     assert out.shape == (2, len(PROMPT) + N_NEW)  # a (batch, seq) prompt, one sample per row
     np.testing.assert_array_equal(out[0], runs["greedy"][0])
 
@@ -119,7 +120,9 @@ def test_same_seed_same_tokens_and_compiled_once(runs, model):
     again = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=1.0, top_k=None, seed=7, num_samples=2)
     np.testing.assert_array_equal(again, runs["sampled"])
     other = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=0.7, top_k=None, seed=8, num_samples=2)
-    assert trace_count() == before  # same shapes: seed and temperature don't recompile
+    greedy = generate(model, PROMPT, max_new_tokens=N_NEW, temperature=0.0, top_k=None, num_samples=2)
+    assert trace_count() == before  # same shapes and top_k: seed and temperature (even 0) don't recompile
+    np.testing.assert_array_equal(greedy, runs["greedy"])
     assert not np.array_equal(other, runs["sampled"])
     # the two samples of one call are independent draws
     assert not np.array_equal(runs["sampled"][0], runs["sampled"][1])
@@ -236,9 +239,36 @@ def test_cli_bad_values(argv, match, capsys):
     assert err.startswith("error:") and match in err and "Traceback" not in err
 
 
-def test_cli_checkpoint_dir_hook(tmp_path, capsys):
+TEXT_ARGV = ["--prompt", "Hello, world", "--max-new-tokens", "6", "--temperature", "0.9", "--top-k", "20",
+             "--seed", "3", "--num-samples", "2"]
+
+
+def test_cli_loads_hf_dir_and_training_run(tiny_text_model, tmp_path, capsys):
+    pytest.importorskip("jaxgpt.tokenizer")
+    from jaxgpt import weights
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.config import to_dict
+
+    expected = capsys.readouterr().out if main(["--init-from", "random:tiny", *TEXT_ARGV]) == 0 else None
+    traces = trace_count()
+    weights.save_hf(tiny_text_model, tmp_path / "hf")
+    assert main(["--init-from", str(tmp_path / "hf"), *TEXT_ARGV]) == 0
+    assert capsys.readouterr().out == expected
+    with Checkpoints(tmp_path / "run", async_save=False) as ckpts:
+        ckpts.save(3, params=nnx.state(tiny_text_model, nnx.Param), opt_state={"count": jnp.zeros(())},
+                   config={"model": to_dict(tiny_text_model.config)})
+    for init_from in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        assert main(["--init-from", str(init_from), "--step", "3", *TEXT_ARGV]) == 0
+        assert capsys.readouterr().out == expected
+    assert main(["--init-from", str(tmp_path / "run"), "--step", "4", *TEXT_ARGV]) == 2
+    assert "no checkpoint for step 4" in capsys.readouterr().err
+    assert trace_count() == traces  # the same shapes from any source reuse the compiled function
+
+
+def test_cli_directory_that_is_neither(tmp_path, capsys):
     assert main(["--init-from", str(tmp_path)]) == 2
-    assert "checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "checkpoint" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "-3"], ["--temperature", "hot"],
