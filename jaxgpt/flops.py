@@ -1,0 +1,313 @@
+"""Analytic FLOP counts for GPT-2, matmul by matmul, and the shorthand conventions others use.
+
+Counting rule: a matmul of an (m, k) by a (k, n) matrix costs ``2 * m * n * k`` FLOPs (one multiply and
+one add per term). Only matmuls are counted here; LayerNorm, GELU, softmax, residual adds, the loss and
+the optimizer update are left out of the "model FLOPs" on purpose (that is what MFU is defined against).
+:func:`nonmatmul_flops` estimates those separately, by category, so that a compiler's own count
+(XLA's ``cost_analysis()``) can be reconciled with this one.
+
+The seven matmul kinds, per layer and per sequence of T tokens (C = n_embd, N heads of D = C / N):
+
+=============  ==============================  ==================
+kind           shape                           forward FLOPs
+=============  ==============================  ==================
+qkv            (T, C) @ (C, 3C)                2 * T * C * 3C
+attn_scores    N x (T, D) @ (D, T)             2 * T * T * C
+attn_values    N x (T, T) @ (T, D)             2 * T * T * C
+attn_out_proj  (T, C) @ (C, C)                 2 * T * C * C
+mlp_up         (T, C) @ (C, 4C)                2 * T * C * 4C
+mlp_down       (T, 4C) @ (4C, C)               2 * T * 4C * C
+lm_head        (T, C) @ (C, Vp)  once          2 * T * C * Vp
+=============  ==============================  ==================
+
+``lm_head`` is counted over the **padded** vocabulary rows ``Vp = config.vocab_rows``: both jaxgpt
+(``einsum("btc,vc->btv", h, wte)[..., :vocab_size]``) and torch_ref (``x @ wte.T`` then slice) multiply
+by every row of the tied embedding and drop the padded columns afterwards, so the padded rows cost
+FLOPs. (With ``padded_vocab_size=None``, Vp is the real vocabulary.) The embedding lookups
+(``wte[idx]``, ``wpe[pos]``) are gathers, not matmuls: 0 FLOPs here.
+
+Backward = exactly 2x forward, kind by kind. For ``Y = A @ B`` reverse-mode autodiff computes
+``dA = dY @ B^T`` and ``dB = A^T @ dY``, each the same size as the forward matmul, whenever both operands
+need a gradient. In GPT-2 they all do: every weight is a parameter; q, k, v and the attention
+probabilities depend on parameters; and even the *first* layer's input, ``ln_1(wte[idx] + wpe[pos])``,
+depends on the embedding tables, so its input gradient is computed too (it flows on to the
+scatter-add that is the embedding's backward, itself no matmul). Nothing is skipped, so a training
+step is 3x the forward matmul FLOPs. ``torch.utils.flop_counter.FlopCounterMode`` agrees with these
+numbers exactly (``parity_tests/test_flops_parity.py``).
+
+Causal halving: a causal mask makes half of ``q @ k^T`` (and of ``probs @ v``) multiply by zero.
+Dense implementations (jaxgpt's XLA path, torch_ref's "math" path, FlopCounterMode, XLA's
+cost_analysis) still do the full T x T work; flash kernels that skip masked blocks do about half.
+``causal_halving=True`` divides the two attention kinds by 2, as MaxText does (the exact lower triangle
+would be T(T+1)/2 key positions instead of T^2/2: a difference of T/2 per query row).
+
+Conventions others use (all per *token*, training = forward + backward), see :func:`conventions`:
+
+* ``6N`` (Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Sec. 2.1: C ~ 6N per token,
+  N = non-embedding parameters, i.e. without wte and wpe); the same rule with N = all parameters is the
+  usual "C = 6 N D" budget.
+* Kaplan's full form, ``6N + 6 * L * T * C`` (its Table 1: forward = 2N + 2 n_layer n_ctx d_attn).
+* PaLM (Chowdhery et al. 2022, App. B) and nanoGPT's ``estimate_mfu``: ``6N + 12 * L * H * Q * T``
+  (H heads of size Q, so H * Q = C: ``6N + 12 * L * T * C``). nanoGPT uses
+  ``N = get_num_params()`` = all parameters minus ``wpe`` (wte stays: it is the tied lm_head) and
+  ``T = block_size``.
+* llm.c (``gpt2_estimate_mfu`` in train_gpt2.cu): ``6N + 6 * L * C * T`` with N = *all* parameters
+  (its wte has the padded 50304 rows, plus wpe, LayerNorms and biases): the attention term is PaLM's,
+  halved for causality.
+* MaxText (``calculate_tflops_training_per_device``): 3 x (weight matmuls without biases + the logits
+  matmul ``2 * T * C * V``) + 3 x causal attention (``4 * T^2 * C / 2`` per layer per sequence). For
+  GPT-2 that is this module's count with ``causal_halving=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxgpt.config import ConfigError, GPTConfig
+
+KINDS: tuple[str, ...] = ("qkv", "attn_scores", "attn_values", "attn_out_proj", "mlp_up", "mlp_down", "lm_head")
+LAYER_KINDS: tuple[str, ...] = KINDS[:-1]
+BACKWARD_FACTOR = 2  # dA and dB, each as large as the forward matmul
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} = {value!r}: must be a positive integer")
+    return value
+
+
+def layer_forward_flops(config: GPTConfig, seq_len: int, *, causal_halving: bool = False) -> dict[str, int]:
+    """Forward matmul FLOPs of one transformer block on one sequence of ``seq_len`` tokens, by kind."""
+    T, C = seq_len, config.n_embd
+    attn = 2 * T * T * C  # N heads x 2 * T * T * D
+    if causal_halving:
+        attn //= 2  # T*T*C is an integer for every T, so this is exact
+    return {
+        "qkv": 2 * T * C * 3 * C,
+        "attn_scores": attn,
+        "attn_values": attn,
+        "attn_out_proj": 2 * T * C * C,
+        "mlp_up": 2 * T * C * 4 * C,
+        "mlp_down": 2 * T * 4 * C * C,
+    }
+
+
+def lm_head_forward_flops(config: GPTConfig, seq_len: int) -> int:
+    """Forward FLOPs of the tied lm_head on one sequence, over the padded rows ``config.vocab_rows``."""
+    return 2 * seq_len * config.n_embd * config.vocab_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopCount:
+    """Matmul FLOPs of GPT-2 for one configuration, sequence length, batch and accumulation.
+
+    ``layer_forward`` holds one block's forward FLOPs per sequence (every block is the same);
+    ``lm_head_forward`` the lm_head's per sequence. Everything else is derived from those two.
+    """
+
+    config: GPTConfig
+    seq_len: int
+    batch_size: int  # sequences per micro-step
+    grad_accum: int  # micro-steps per optimizer step
+    causal_halving: bool
+    layer_forward: dict[str, int]
+    lm_head_forward: int
+
+    # ---- per sequence -------------------------------------------------------------------------------
+    @property
+    def lm_head_rows(self) -> int:
+        return self.config.vocab_rows
+
+    @property
+    def forward_by_kind(self) -> dict[str, int]:
+        """Forward FLOPs per sequence by kind, summed over all layers."""
+        out = {k: v * self.config.n_layer for k, v in self.layer_forward.items()}
+        out["lm_head"] = self.lm_head_forward
+        return out
+
+    @property
+    def backward_by_kind(self) -> dict[str, int]:
+        return {k: BACKWARD_FACTOR * v for k, v in self.forward_by_kind.items()}
+
+    @property
+    def forward(self) -> int:
+        """Forward FLOPs per sequence."""
+        return sum(self.forward_by_kind.values())
+
+    @property
+    def backward(self) -> int:
+        """Backward FLOPs per sequence (input and weight gradients of every matmul)."""
+        return BACKWARD_FACTOR * self.forward
+
+    @property
+    def training(self) -> int:
+        """Forward + backward FLOPs per sequence."""
+        return self.forward + self.backward
+
+    @property
+    def attention_forward(self) -> int:
+        """The two activation-activation matmuls (scores and values), per sequence, all layers."""
+        f = self.forward_by_kind
+        return f["attn_scores"] + f["attn_values"]
+
+    # ---- per token / micro-step / step ---------------------------------------------------------------
+    def per_token(self) -> dict[str, float]:
+        T = self.seq_len
+        return {"forward": self.forward / T, "backward": self.backward / T, "training": self.training / T}
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len * self.grad_accum
+
+    @property
+    def forward_per_micro_step(self) -> int:
+        return self.forward * self.batch_size
+
+    @property
+    def training_per_micro_step(self) -> int:
+        return self.training * self.batch_size
+
+    @property
+    def training_per_step(self) -> int:
+        """Forward + backward FLOPs of one optimizer step (all gradient-accumulation micro-steps)."""
+        return self.training * self.batch_size * self.grad_accum
+
+    # ---- presentation -------------------------------------------------------------------------------
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (layer, kind) with forward and backward FLOPs per sequence."""
+        rows = []
+        for layer in range(self.config.n_layer):
+            for kind, fwd in self.layer_forward.items():
+                rows.append(dict(layer=layer, kind=kind, forward=fwd, backward=BACKWARD_FACTOR * fwd))
+        rows.append(dict(layer=None, kind="lm_head", forward=self.lm_head_forward,
+                         backward=BACKWARD_FACTOR * self.lm_head_forward))
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum,
+            causal_halving=self.causal_halving, lm_head_rows=self.lm_head_rows,
+            layer_forward_per_sequence=dict(self.layer_forward),
+            forward_by_kind_per_sequence=self.forward_by_kind,
+            backward_by_kind_per_sequence=self.backward_by_kind,
+            forward_per_sequence=self.forward, backward_per_sequence=self.backward,
+            training_per_sequence=self.training, per_token=self.per_token(),
+            training_per_micro_step=self.training_per_micro_step,
+            training_per_step=self.training_per_step, tokens_per_step=self.tokens_per_step,
+        )
+
+    def table(self, *, per_layer: bool = False) -> str:
+        """A readable table: FLOPs per sequence by kind (and optionally by layer), then the totals."""
+        cfg = self.config
+        lines = [f"Matmul FLOPs, n_layer={cfg.n_layer} n_embd={cfg.n_embd} n_head={cfg.n_head} "
+                 f"T={self.seq_len} lm_head rows={self.lm_head_rows}"
+                 f"{' (padded)' if cfg.vocab_rows != cfg.vocab_size else ''}"
+                 f"{', causal-halved attention' if self.causal_halving else ', full T x T attention'}",
+                 f"{'layer':>5}  {'kind':<14}{'forward':>18}{'backward':>18}{'share':>8}"]
+        total = self.forward
+        if per_layer:
+            for r in self.rows():
+                layer = "-" if r["layer"] is None else str(r["layer"])
+                lines.append(f"{layer:>5}  {r['kind']:<14}{r['forward']:>18,}{r['backward']:>18,}"
+                             f"{r['forward'] / total:>8.1%}")
+        else:
+            for kind, fwd in self.forward_by_kind.items():
+                layers = "-" if kind == "lm_head" else f"x{cfg.n_layer}"
+                lines.append(f"{layers:>5}  {kind:<14}{fwd:>18,}{BACKWARD_FACTOR * fwd:>18,}{fwd / total:>8.1%}")
+        lines.append(f"{'':>5}  {'per sequence':<14}{self.forward:>18,}{self.backward:>18,}")
+        pt = self.per_token()
+        lines.append(f"{'':>5}  {'per token':<14}{pt['forward']:>18,.0f}{pt['backward']:>18,.0f}")
+        lines.append(f"training (fwd+bwd): {self.training:,} per sequence, {pt['training']:,.0f} per token, "
+                     f"{self.training_per_step:,} per step ({self.batch_size} x {self.seq_len} tokens x "
+                     f"{self.grad_accum} micro-steps)")
+        return "\n".join(lines)
+
+
+def count_flops(
+    config: GPTConfig,
+    seq_len: int | None = None,
+    *,
+    batch_size: int = 1,
+    grad_accum: int = 1,
+    causal_halving: bool = False,
+) -> FlopCount:
+    """Matmul FLOPs of GPT-2 (``seq_len`` defaults to ``config.block_size``)."""
+    seq_len = config.block_size if seq_len is None else seq_len
+    _check_positive("seq_len", seq_len)
+    _check_positive("batch_size", batch_size)
+    _check_positive("grad_accum", grad_accum)
+    if seq_len > config.block_size:
+        raise ConfigError(f"seq_len = {seq_len}: must be <= block_size ({config.block_size})")
+    return FlopCount(config=config, seq_len=seq_len, batch_size=batch_size, grad_accum=grad_accum,
+                     causal_halving=causal_halving,
+                     layer_forward=layer_forward_flops(config, seq_len, causal_halving=causal_halving),
+                     lm_head_forward=lm_head_forward_flops(config, seq_len))
+
+
+# ---- parameter counts the conventions need (account.py has the full breakdown) ----------------------------
+def n_params(config: GPTConfig) -> dict[str, int]:
+    """Parameter counts by the definitions the conventions use (the tied lm_head counted once)."""
+    C, L, b = config.n_embd, config.n_layer, int(config.bias)
+    wte = config.vocab_rows * C
+    wpe = config.block_size * C
+    per_layer = (C * 3 * C + b * 3 * C) + (C * C + b * C) + (C * 4 * C + b * 4 * C) + (4 * C * C + b * C) \
+        + 2 * (C + b * C)
+    ln_f = C + b * C
+    total = wte + wpe + L * per_layer + ln_f
+    return dict(total=total, wte=wte, wpe=wpe, non_embedding=total - wte - wpe, total_minus_wpe=total - wpe,
+                matmul_weights=L * 12 * C * C + wte)
+
+
+@dataclasses.dataclass(frozen=True)
+class Convention:
+    """One published way of estimating training FLOPs per token, evaluated for a config."""
+
+    name: str
+    formula: str
+    n_definition: str
+    n: int | None
+    flops_per_token: float
+    source: str
+
+
+def conventions(config: GPTConfig, seq_len: int | None = None) -> list[Convention]:
+    """Training (fwd+bwd) FLOPs per token by this module and by others' shorthands."""
+    T = config.block_size if seq_len is None else seq_len
+    L, C = config.n_layer, config.n_embd
+    p = n_params(config)
+    exact = count_flops(config, T).per_token()["training"]
+    halved = count_flops(config, T, causal_halving=True).per_token()["training"]
+    return [
+        Convention("jaxgpt (exact matmuls)", "3 x sum of 2mnk, full T x T attention", "-", None, exact,
+                   "jaxgpt.flops.count_flops"),
+        Convention("jaxgpt causal-halved", "same, attention / 2", "-", None, halved,
+                   "jaxgpt.flops.count_flops(causal_halving=True)"),
+        Convention("6N (non-embedding)", "6N", "all params - wte - wpe", p["non_embedding"],
+                   6 * p["non_embedding"], "Kaplan et al. 2020, Sec. 2.1"),
+        Convention("6N (all params)", "6N", "all params", p["total"], 6 * p["total"], "C = 6ND rule of thumb"),
+        Convention("Kaplan", "6N + 6LTC", "all params - wte - wpe", p["non_embedding"],
+                   6 * p["non_embedding"] + 6 * L * T * C, "Kaplan et al. 2020, Table 1 (x3 for training)"),
+        Convention("PaLM / nanoGPT", "6N + 12LTC", "all params - wpe (nanoGPT)", p["total_minus_wpe"],
+                   6 * p["total_minus_wpe"] + 12 * L * T * C,
+                   "Chowdhery et al. 2022 App. B; nanoGPT model.py estimate_mfu (T = block_size)"),
+        Convention("llm.c", "6N + 6LCT", "all params (padded wte, wpe, LN, biases)", p["total"],
+                   6 * p["total"] + 6 * L * C * T, "llm.c train_gpt2.cu gpt2_estimate_mfu"),
+        Convention("MaxText", "6(12LC^2 + CV) + 6LTC", "weight matmuls, no biases", p["matmul_weights"],
+                   6 * p["matmul_weights"] + 6 * L * T * C,
+                   "MaxText maxtext_utils.calculate_tflops_training_per_device (causal attention / 2)"),
+    ]
+
+
+def conventions_table(config: GPTConfig, seq_len: int | None = None) -> str:
+    rows = conventions(config, seq_len)
+    base = rows[0].flops_per_token
+    lines = [f"{'convention':<24}{'formula':<40}{'FLOPs/token':>16}{'vs exact':>10}  N"]
+    for c in rows:
+        n = "-" if c.n is None else f"{c.n:,} ({c.n_definition})"
+        lines.append(f"{c.name:<24}{c.formula:<40}{c.flops_per_token:>16,.0f}{c.flops_per_token / base - 1:>+10.2%}  {n}")
+    return "\n".join(lines)
