@@ -1,0 +1,162 @@
+"""Shared plumbing for the benchmarks: the environment every variant runs under, machine/version facts,
+launching one measurement in its own subprocess, and statistics.
+
+Every measured variant runs in a fresh ``python -m benchmarks.worker`` process so that its peak RSS is its own
+and no allocator or thread-pool state leaks from one variant to the next. All workers of one invocation get the
+same environment (:func:`worker_env`), whichever framework they use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TMP = RESULTS / "tmp"  # git-ignored scratch: init weights, shards, inductor cache, worker outputs
+
+# The glibc malloc settings measured in /work/shared/notes/cpu-performance.md: one arena, no mmap for large
+# blocks and never trimming, so XLA's large per-step buffers are reused instead of faulted in every step.
+TUNED_GLIBC = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+ALLOCATORS = {"default": None, "tuned": TUNED_GLIBC}
+
+# Variables that change what is measured; recorded with every result.
+RECORDED_ENV = ("GLIBC_TUNABLES", "XLA_FLAGS", "JAX_PLATFORMS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                "TORCHINDUCTOR_CACHE_DIR", "TF_CPP_MIN_LOG_LEVEL", "LD_PRELOAD", "MALLOC_ARENA_MAX")
+
+
+def worker_env(allocator: str, *, inductor_cache: Path | None = None) -> dict[str, str]:
+    """The environment of every worker of one invocation: this process's environment with GLIBC_TUNABLES set
+    (``tuned``) or removed (``default``), JAX pinned to the CPU, and a per-invocation inductor cache."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator = {allocator!r}: allowed values are {sorted(ALLOCATORS)}")
+    env = dict(os.environ)
+    env.pop("GLIBC_TUNABLES", None)
+    if ALLOCATORS[allocator]:
+        env["GLIBC_TUNABLES"] = ALLOCATORS[allocator]
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if inductor_cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def recorded_env(env: dict[str, str]) -> dict[str, str | None]:
+    return {k: env.get(k) for k in RECORDED_ENV}
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def run_worker(spec: dict[str, Any], env: dict[str, str], *, timeout: float = 1800) -> dict[str, Any]:
+    """Run one measurement (``spec``) in a fresh subprocess; its JSON result, or ``{"error": ...}``."""
+    TMP.mkdir(parents=True, exist_ok=True)
+    out = TMP / f"worker-{os.getpid()}-{time.time_ns()}.json"
+    spec = {**spec, "out": str(out)}
+    cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s", "spec": spec}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stderr or proc.stdout or "")[-3000:]
+        return {"error": f"worker exited {proc.returncode}: {tail}", "spec": spec, "process_s": wall}
+    result = json.loads(out.read_text())
+    out.unlink(missing_ok=True)
+    result["process_s"] = round(wall, 2)
+    return result
+
+
+# ---- statistics ----------------------------------------------------------------------------------------------
+def summarize(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+# ---- machine and versions ------------------------------------------------------------------------------------
+def cpu_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"cores": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    first = text.split("\n\n")[0]
+    fields = dict(re.findall(r"^([^\t:]+?)\s*:\s*(.*)$", first, flags=re.M))
+    flags = set(fields.get("flags", "").split())
+    info.update({
+        "model_name": fields.get("model name"),
+        "vendor": fields.get("vendor_id"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "hypervisor": "hypervisor" in flags,
+        "flags": {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                                          "amx_bf16", "amx_tile", "amx_int8")},
+    })
+    try:
+        mem_kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
+        info["mem_gib"] = round(mem_kb / 2**20, 1)
+    except (OSError, AttributeError):
+        pass
+    return info
+
+
+def versions() -> dict[str, str]:
+    """Package versions, read from metadata (no import of jax or torch in the orchestrating process)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("jax", "jaxlib", "flax", "optax", "numpy", "torch", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    try:
+        out["glibc"] = platform.libc_ver()[1]
+    except Exception:  # pragma: no cover
+        pass
+    return out
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def dirty_files() -> list[str]:
+    """Library files that differ from HEAD (or are untracked) while measuring: results then describe the working
+    tree, not the commit."""
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--", "jaxgpt", "torch_ref"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10).stdout
+        return [line[3:] for line in out.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return []
+
+
+def command_line() -> str:
+    args = " ".join(sys.argv[1:])
+    mod = Path(sys.argv[0]).stem
+    return f"python -m benchmarks.{mod} {args}".strip()
+
+
+def fmt(x: float | None, digits: int = 0) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.{digits}f}"

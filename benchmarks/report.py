@@ -1,0 +1,165 @@
+"""Write ``BENCHMARKS.md`` from the latest results under ``benchmarks/results/`` (``python -m benchmarks.report``).
+
+It reads ``train_step-{small,gpt2,gpt2-t256}-tuned.json``, ``train_step-small-default.json``, ``generate.json``
+and ``data_loader.json`` (whichever exist), and checks the speed targets against them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, data_loader, generate, train_step
+
+TRAIN_FILES = [("small", "tuned"), ("gpt2", "tuned"), ("gpt2-t256", "tuned"), ("small", "default")]
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    p = common.RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _tps(res, v):
+    r = res["variants"].get(v, {}) if res else {}
+    return None if not r or "error" in r else r["tokens_per_s"]["median"]
+
+
+def targets(train: dict[str, dict], gen: dict | None) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) rows."""
+    rows = []
+    d = train_step.DEFAULT_JAX
+    for shape in ("small", "gpt2", "gpt2-t256"):
+        res = train.get(f"{shape}-tuned")
+        j, t = _tps(res, d), _tps(res, "torch_compile_bf16")
+        if j and t:
+            rows.append((f"{shape}: jaxgpt default ({d}) >= 1.2x torch_ref torch.compile bf16",
+                         f"{j:,.0f} / {t:,.0f} tok/s = {j / t:.2f}x", "met" if j / t >= 1.2 else "NOT met"))
+    res = train.get("small-tuned")
+    if res and "error" not in res["variants"].get(d, {"error": 1}):
+        f = res["variants"][d]["fraction_of_peak"]
+        pk = res["gemm_peak"]["bf16"]["best_gflops"]
+        if f is not None:
+            rows.append((f"small: {d} >= 60% of measured bf16->fp32 GEMM peak",
+                         f"{res['variants'][d]['achieved_gflops']:,.0f} of {pk:,.0f} GFLOP/s = {100 * f:.0f}%",
+                         "met" if f >= 0.6 else "NOT met"))
+    res = train.get("gpt2-tuned")
+    if res and "error" not in res["variants"].get(d, {"error": 1}):
+        c = res["variants"][d]["cold_first_step_s"]["first_round"]
+        rows.append((f"gpt2 124M (T=1024): {d} cold first step (trace + compile + run) <= 30 s", f"{c:.1f} s",
+                     "met" if c <= 30 else "NOT met"))
+    if gen:
+        for n in gen["prompt_counts"]:
+            jk = [k for k in gen["rows"] if k.startswith("jax_") and k.endswith(f"@{n}") and "error" not in gen["rows"][k]]
+            hk = [k for k in gen["rows"] if k.startswith("hf_") and k.endswith(f"@{n}") and "error" not in gen["rows"][k]]
+            if jk and hk:
+                bj = max(jk, key=lambda k: gen["rows"][k]["tokens_per_s"]["median"])
+                bh = max(hk, key=lambda k: gen["rows"][k]["tokens_per_s"]["median"])
+                a, b = gen["rows"][bj]["tokens_per_s"]["median"], gen["rows"][bh]["tokens_per_s"]["median"]
+                rows.append((f"generate, {n} prompt(s): jaxgpt with cache >= transformers generate",
+                             f"{bj.split('@')[0]} {a:,.1f} vs {bh.split('@')[0]} {b:,.1f} tok/s = {a / b:.2f}x",
+                             "met" if a >= b else "NOT met"))
+    return rows
+
+
+def allocator_table(train: dict[str, dict]) -> str | None:
+    t, d = train.get("small-tuned"), train.get("small-default")
+    if not (t and d):
+        return None
+    lines = ["| variant | default malloc tok/s | tuned GLIBC_TUNABLES tok/s | tuned / default |", "|---|---:|---:|---:|"]
+    for v in t["variants"]:
+        a, b = _tps(d, v), _tps(t, v)
+        if a and b:
+            lines.append(f"| {v} | {a:,.0f} | {b:,.0f} | {b / a:.2f}x |")
+    return "\n".join(lines)
+
+
+def write(path: Path | None = None) -> Path:
+    path = path or common.ROOT / "BENCHMARKS.md"
+    train = {f"{s}-{a}": r for s, a in TRAIN_FILES if (r := _load(f"train_step-{s}-{a}"))}
+    gen, data = _load("generate"), _load("data_loader")
+    any_res = next(iter(train.values()), None) or gen
+    if any_res is None:
+        raise SystemExit("no results under benchmarks/results/: run python -m benchmarks.run_all first")
+    m, v, env = any_res["machine"], any_res["versions"], any_res["env"]
+    flags = ", ".join(f"{k} {'yes' if on else 'no'}" for k, on in m.get("flags", {}).items())
+    out = [
+        "# Benchmarks",
+        "",
+        "Measured by the harness in `benchmarks/` (see its module docstrings). Reproduce everything, and rewrite "
+        "this file, with",
+        "",
+        "```",
+        "python -m benchmarks.run_all            # ~1 h on the 2-core machine below; waits for load < 1.5 first",
+        "```",
+        "",
+        "or one piece at a time: `python -m benchmarks.train_step --config {small,gpt2,gpt2-t256} --variants all "
+        "--rounds 3 --steps 10 [--allocator default]`, `python -m benchmarks.generate`, "
+        "`python -m benchmarks.data_loader`, then `python -m benchmarks.report` (this file from "
+        "`benchmarks/results/*.json`). CI runs `python -m benchmarks.train_step --quick` through "
+        "`tests/test_benchmarks.py`.",
+        "",
+        "## Machine and software",
+        "",
+        f"* CPU: {m.get('model_name')} (vendor {m.get('vendor')}, family {m.get('family')} model {m.get('model')}"
+        f"{', KVM guest' if m.get('hypervisor') else ''}), {m.get('cores')} cores, {m.get('mem_gib')} GiB; {flags}.",
+        f"* Versions: python {v.get('python')}, jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, flax {v.get('flax')}, "
+        f"optax {v.get('optax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, numpy {v.get('numpy')}, "
+        f"glibc {v.get('glibc')}.",
+        f"* Environment of every worker (both frameworks alike): GLIBC_TUNABLES=`{env.get('GLIBC_TUNABLES')}` "
+        f"(`--allocator tuned`, the default; `--allocator default` unsets it), XLA_FLAGS=`{env.get('XLA_FLAGS')}`, "
+        f"JAX_PLATFORMS=`{env.get('JAX_PLATFORMS')}`, OMP_NUM_THREADS=`{env.get('OMP_NUM_THREADS')}`; torch uses "
+        "its default thread count (2).",
+        "* Method: every (variant, round) is a fresh subprocess, launched round-robin with the order rotated each "
+        "round; first step (cold, includes compilation) and warm-up steps excluded; steady step times pooled over "
+        "rounds (median, min, max). Same initial weights (torch_ref's seeded init) for jaxgpt and torch_ref, same "
+        "fixed batch, same AdamW hyperparameters (`jaxgpt.optim.OptimConfig()` defaults; torch: "
+        "`torch_ref.train.param_groups` + `torch.optim.AdamW(fused=True)` with `torch_ref.train.get_lr`). "
+        "transformers' `GPT2LMHeadModel` has its own init, `vocab_size` = the padded rows so the shapes match, "
+        "sdpa attention, loss from its logits. FLOPs: `jaxgpt.flops.count_flops` (matmuls only, causal attention "
+        "counted dense). Peak: the best GFLOP/s of a GEMM probe (2048^3 and 4096x1024x4096; fp32, and bf16 "
+        "operands with fp32 accumulation -- torch's bf16 GEMM rounds its output to bf16) run in both frameworks at "
+        "the start of every round; '% of peak' compares each variant with the peak of its compute dtype.",
+        "* Load average: the machine is shared; each table gives the 1-minute load average at its start and end, "
+        "and the JSON files hold it per worker.",
+        "",
+    ]
+    tr = targets(train, gen)
+    if tr:
+        out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
+        out += [f"| {a} | {b} | {c} |" for a, b, c in tr] + [""]
+    for key, title in (("small-tuned", "Train step: small (L4 H4 C256, 16.1M params), T=256, batch 8"),
+                       ("gpt2-tuned", "Train step: gpt2 124M, T=1024, batch 1"),
+                       ("gpt2-t256-tuned", "Train step: gpt2 124M, T=256, batch 4")):
+        if key in train:
+            out += [f"## {title}", "", train_step.markdown(train[key]), "",
+                    f"Command: `{train[key]['command']}`", ""]
+    at = allocator_table(train)
+    if at:
+        out += ["## Allocator: glibc default vs tuned GLIBC_TUNABLES (small)", "",
+                train_step.markdown(train["small-default"]), "", at, "",
+                f"Command: `{train['small-default']['command']}`", ""]
+    if gen:
+        out += ["## Generation (KV cache)", "", generate.markdown(gen), "",
+                "torch_ref has no KV cache (nanoGPT's plain generate recomputes the whole context for every token); "
+                "it is listed for reference, not as a like-for-like competitor.", "",
+                f"Command: `{gen['command']}`", ""]
+    if data:
+        out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
+    dirty = sorted({f for r in [*train.values(), gen] if r for f in r.get("uncommitted_library_files", [])})
+    if dirty:
+        out += ["## Provenance", "", "These library files were uncommitted (being edited) while some of the results "
+                "above were measured, so those results describe the working tree at the time, not a commit: "
+                + ", ".join(f"`{f}`" for f in dirty) + ".", ""]
+    path.write_text("\n".join(out))
+    return path
+
+
+def main() -> int:
+    print(f"wrote {write()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
