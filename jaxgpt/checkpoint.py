@@ -171,7 +171,7 @@ class Checkpoints:
         """Start saving ``step`` (waits for the previous save first; returns once arrays are on the host)."""
         meta = {"step": int(step), "rng_key": None if rng_key is None else key_to_json(rng_key),
                 "loader_state": loader_state, "extra": extra or {}}
-        self.manager.save(int(step), force=True, args=ocp.args.Composite(
+        self._guarded(self.manager.save, int(step), force=True, args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
             meta=ocp.args.JsonSave(meta),
@@ -198,12 +198,25 @@ class Checkpoints:
             loader_state=meta.get("loader_state"), extra=meta.get("extra") or {}, config=saved,
         )
 
+    def _guarded(self, fn, *args, **kwargs):
+        """Run a manager call that may surface a failed (background) save; on failure re-read the steps from
+        disk, since the manager already dropped the steps the failed save was to replace from its list
+        (they are still on disk: orbax deletes them only once a save commits)."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.manager.reload()
+            raise
+
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the last save is on disk (raises if it failed)."""
+        self._guarded(self.manager.wait_until_finished)
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
     def __enter__(self) -> "Checkpoints":
         return self

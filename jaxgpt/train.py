@@ -132,7 +132,10 @@ class TrainConfig:
                 model = to_dict(model)
             if isinstance(model, dict):
                 data["model"] = {**PRESETS[preset], **model}
-        return from_dict(cls, _coerce_numbers(cls, data))
+        data = _coerce_numbers(cls, data)
+        if isinstance(data.get("model"), dict):  # built here: from_dict's `X | None` hides the nested error
+            data["model"] = GPTConfig.from_dict(data["model"])
+        return from_dict(cls, data)
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "TrainConfig":
@@ -443,70 +446,73 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     # ---- resume ---------------------------------------------------------------------------------------
     ckpts = Checkpoints(run_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
-    start_step, latest = 0, ckpts.latest_step()
-    if cfg.resume == "must" and latest is None:
-        raise NoCheckpointError(f"resume: must, but {ckpts.directory} holds no complete checkpoint")
-    if cfg.resume == "never" and latest is not None:
-        raise ConfigError(f"resume: never, but {run_dir} already holds checkpoints (steps {ckpts.all_steps()}); "
-                          "use resume: auto to continue that run, or another out_dir")
-    if latest is not None:
-        r = ckpts.restore(latest, params=state.params, opt_state=state.opt_state, requested_config=saved_config)
-        state = state.replace(step=jax.numpy.asarray(r.step, dtype=state.step.dtype), params=r.params,
-                              opt_state=r.opt_state)
-        rng = r.rng_key
-        train_loader.load_state_dict(r.loader_state)
-        start_step = r.step
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
-
-    metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, truncate_after=start_step if latest else None)
-    n_params = count_params(state.params)
-    step_flops = flops_per_step(model_cfg, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                micro_steps=micro_steps) * pcount
-    peak, peak_src = device_peak_flops(policy.compute_dtype)
-    n_dev = jax.local_device_count()
-    say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({model_cfg.n_layer}L {model_cfg.n_head}H "
-        f"{model_cfg.n_embd}C, vocab rows {model_cfg.vocab_rows}), init {cfg.init_from}, {policy.compute_dtype} "
-        f"compute, {n_dev} x {jax.devices()[0].device_kind}, {pcount} process(es)")
-    say(f"  batch: {tokens_per_step:,} tokens/step = {micro_steps} micro step(s) x {cfg.batch_size} x "
-        f"{cfg.seq_len} x {pcount} process(es); data {data_dir} ({train_loader.num_tokens:,} train tokens); "
-        f"peak {'?' if peak is None else f'{peak / 1e12:.2f} TFLOP/s'} ({peak_src})")
-    say(f"  run dir {run_dir}" + (f"; resumed from step {start_step}" if latest else ""))
-
-    val_state = val_loader.state_dict()
-
-    def evaluate(params) -> float:
-        val_loader.load_state_dict(val_state)  # the same batches every time
-        losses = []
-        for _ in range(cfg.eval_steps):
-            x, y = val_loader.next_batch()
-            losses.append(eval_step(params, x, y))
-        return float(np.mean([float(v) for v in losses]))
-
-    def sample(params, step: int) -> None:
-        from flax import nnx
-
-        from jaxgpt.generate import generate_text
-
-        texts = generate_text(nnx.merge(graphdef, params), cfg.sample_prompt, max_new_tokens=cfg.sample_len,
-                              temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                              seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
-        block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
-        with open(run_dir / "samples.txt", "a") as f:
-            f.write(block)
-        say(block.rstrip())
-
-    def save(step: int, extra: dict[str, Any]) -> None:
-        if ckpts.latest_step() == step:
-            return
-        ckpts.save(step, params=state.params, opt_state=state.opt_state, config=saved_config, rng_key=rng,
-                   loader_state=train_loader.state_dict(), extra=extra)
-
-    last: dict[str, Any] = {}
-    val_loss = None
-    steady_tokens, steady_time, compile_s = 0, 0.0, None
-    bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, unit="step",
-               disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+    metrics = bar = None
     try:
+        start_step, latest = 0, ckpts.latest_step()
+        if cfg.resume == "must" and latest is None:
+            raise NoCheckpointError(f"resume: must, but {ckpts.directory} holds no complete checkpoint")
+        if cfg.resume == "never" and latest is not None:
+            raise ConfigError(f"resume: never, but {run_dir} already holds checkpoints (steps {ckpts.all_steps()}); "
+                              "use resume: auto to continue that run, or another out_dir")
+        if latest is not None:
+            r = ckpts.restore(latest, params=state.params, opt_state=state.opt_state, requested_config=saved_config)
+            state = state.replace(step=jax.numpy.asarray(r.step, dtype=state.step.dtype), params=r.params,
+                                  opt_state=r.opt_state)
+            rng = r.rng_key
+            train_loader.load_state_dict(r.loader_state)
+            start_step = r.step
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
+
+        metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, truncate_after=start_step if latest else None)
+        n_params = count_params(state.params)
+        step_flops = flops_per_step(model_cfg, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                    micro_steps=micro_steps) * pcount
+        peak, peak_src = device_peak_flops(policy.compute_dtype)
+        n_dev = jax.device_count()
+        say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({model_cfg.n_layer}L {model_cfg.n_head}H "
+            f"{model_cfg.n_embd}C, vocab rows {model_cfg.vocab_rows}), init {cfg.init_from}, {policy.compute_dtype} "
+            f"compute, {n_dev} x {jax.devices()[0].device_kind}, {pcount} process(es)")
+        say(f"  batch: {tokens_per_step:,} tokens/step = {micro_steps} micro step(s) x {cfg.batch_size} x "
+            f"{cfg.seq_len} x {pcount} process(es); data {data_dir} ({train_loader.num_tokens:,} train tokens); "
+            f"peak {'?' if peak is None else f'{peak / 1e12:.2f} TFLOP/s'} ({peak_src})")
+        say(f"  run dir {run_dir}" + (f"; resumed from step {start_step}" if latest else ""))
+
+        val_state = val_loader.state_dict()
+
+        def evaluate(params) -> float:
+            val_loader.load_state_dict(val_state)  # the same batches every time
+            losses = []
+            for _ in range(cfg.eval_steps):
+                x, y = val_loader.next_batch()
+                losses.append(eval_step(params, x, y))
+            return float(np.mean([float(v) for v in losses]))
+
+        def sample(params, step: int) -> None:
+            from flax import nnx
+
+            from jaxgpt.generate import generate_text
+
+            texts = generate_text(nnx.merge(graphdef, params), cfg.sample_prompt, max_new_tokens=cfg.sample_len,
+                                  temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
+                                  seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
+            block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
+            with open(run_dir / "samples.txt", "a") as f:
+                f.write(block)
+            say(block.rstrip())
+
+        def save(step: int, extra: dict[str, Any]) -> None:
+            if ckpts.latest_step() == step:
+                return
+            ckpts.save(step, params=state.params, opt_state=state.opt_state, config=saved_config, rng_key=rng,
+                       loader_state=train_loader.state_dict(), extra=extra)
+
+        # Test hook: seconds to sleep before every step, so a test can kill a run mid-way.
+        debug_sleep = float(os.environ.get("JAXGPT_DEBUG_STEP_SLEEP", "0"))
+        last: dict[str, Any] = {}
+        val_loss = None
+        steady_tokens, steady_time, compile_s = 0, 0.0, None
+        bar = tqdm(range(start_step, cfg.max_steps), initial=start_step, total=cfg.max_steps, unit="step",
+                   disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
         if start_step == 0 and cfg.eval_interval > 0:
             val_loss = evaluate(state.params)
             metrics.write({"type": "eval", "step": 0, "val_loss": val_loss})
@@ -518,6 +524,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             y = y.reshape(micro_steps, cfg.batch_size, cfg.seq_len)
             step_lib.check_batch(x, y, model_cfg)
             rng, key = jax.random.split(rng)
+            if debug_sleep:
+                time.sleep(debug_sleep)
             t0 = time.perf_counter()
             state, m = train_step(state, x, y, key)
             loss, grad_norm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
@@ -560,11 +568,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             sample(state.params, final_step)
         save(final_step, {"loss": last.get("loss")})
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         ckpts.close()
-        metrics.close()
-        if cfg.plot:
-            plot_losses(run_dir)
+        if metrics is not None:
+            metrics.close()
+            if cfg.plot:
+                plot_losses(run_dir)
     wall = time.perf_counter() - t_start
     summary = {"steps": cfg.max_steps, "start_step": start_step, "train_loss": last.get("loss"),
                "val_loss": val_loss, "wall_s": wall, "compile_s": compile_s,

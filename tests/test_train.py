@@ -1,0 +1,203 @@
+"""jaxgpt.train: config and CLI, a real tiny run (files), SIGKILL + resume bit-identity, NaN stop.
+
+The runs are real subprocesses (`python -m jaxgpt.train --config configs/tiny-test.yaml ...`) sharing a
+persistent XLA compilation cache, so only the first one pays for compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxgpt.config import PRESETS, ConfigError
+from jaxgpt.train import DEFAULT_CONFIG, TrainConfig, main, parse_args, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+TINY = ["--config", "configs/tiny-test.yaml"]
+RUN_ARGS = ["--max_steps=12", "--checkpoint_interval=3", "--eval_interval=4"]
+
+
+# ---- configuration and command line ---------------------------------------------------------------------
+def test_every_preset_loads_and_divides():
+    names = {p.name for p in CONFIGS}
+    assert {"gpt2-124m.yaml", "shakespeare-cpu.yaml", "finetune-gpt2.yaml", "tiny-test.yaml"} <= names
+    for path in CONFIGS:
+        cfg = TrainConfig.load(path)
+        assert cfg.micro_steps() >= 1, path
+    big = TrainConfig.load(REPO / "configs/gpt2-124m.yaml")
+    assert (big.micro_steps(), big.micro_steps(8)) == (32, 4)
+    assert big.model.n_layer == 12 and big.model.padded_vocab_size == 50304 and big.optim.lr == 6e-4
+    assert big.optim.warmup_steps == 715 and big.max_steps == big.optim.decay_steps == 19073
+    assert TrainConfig.load(None) == TrainConfig.load(DEFAULT_CONFIG)
+    assert DEFAULT_CONFIG.name == "shakespeare-cpu.yaml"
+
+
+def test_cli_overrides_any_field():
+    path, overrides, printing = parse_args(TINY + ["--optim.lr=3e-4", "--max_steps", "100", "--model.n_layer=3",
+                                                   "--sample_prompt=to be or", "--sample_top_k=null",
+                                                   "--dropout=0.1", "--resume=never"])
+    assert path == Path("configs/tiny-test.yaml") and not printing
+    cfg = TrainConfig.load(REPO / path, overrides)
+    assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML alone reads 3e-4 as a string
+    assert cfg.max_steps == 100 and cfg.sample_prompt == "to be or" and cfg.sample_top_k is None
+    assert cfg.model.n_layer == 3 and cfg.model.n_embd == PRESETS["tiny"]["n_embd"]  # merged over the preset
+    assert cfg.dropout == 0.1 and cfg.resume == "never"
+    # a resolved config round-trips through its dict
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--bogus=1"], "unknown key(s) ['bogus']; valid keys are ["),
+    (["--optim.bogus=1"], "OptimConfig: unknown key(s) ['bogus']; valid keys are ['adagrad_initial_accumulator'"),
+    (["--model.n_lyer=2"], "GPTConfig: unknown key(s) ['n_lyer']; valid keys are ['bias', 'block_size'"),
+    (["--optim.lr=fast"], "OptimConfig.lr = 'fast': expected a number"),
+    (["--resume=sometimes"], "TrainConfig.resume = 'sometimes': allowed values are ['auto', 'never', 'must']"),
+    (["--max_steps=0"], "TrainConfig.max_steps = 0: must be an integer >= 1"),
+    (["--model_preset=huge"], "TrainConfig.model_preset = 'huge': valid presets are"),
+    (["--total_batch_tokens=1000"], "must be a multiple of batch_size * seq_len * processes = 4 * 32 * 1 = 128"),
+    (["--seq_len=65"], "TrainConfig.seq_len = 65: must be <= model.block_size (64)"),
+    (["--init_from=gpt2"], "init_from: gpt2 takes the model shape from the checkpoint"),
+    (["positional"], "unexpected argument 'positional'"),
+    (["--max_steps"], "--max_steps needs a value"),
+])
+def test_cli_errors_exit_2_without_traceback(capsys, args, expected):
+    assert main(TINY + args) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_missing_config_file_and_help(capsys):
+    assert main(["--config", "configs/nope.yaml"]) == 2
+    assert "configs/nope.yaml" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--optim.lr=<float>" in out and "--model.n_layer=<int>" in out
+
+
+def test_print_config(capsys):
+    assert main(TINY + ["--print-config", "--optim.lr=2e-3"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["optim"]["lr"] == 2e-3 and printed["model"]["n_layer"] == 2
+
+
+def test_config_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="needs a model shape"):
+        TrainConfig.from_dict({})
+
+
+# ---- real runs ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run_env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("xla_cache")
+    return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+            "JAX_PLATFORMS": "cpu"}
+
+
+def train_cmd(out_dir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxgpt.train", *TINY, f"--out_dir={out_dir}", *RUN_ARGS, *args]
+
+
+def run(cmd, env, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> list[tuple[str, int, float]]:
+    return [(r["type"], r["step"], r["loss"] if r["type"] == "train" else r["val_loss"])
+            for r in read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, run_env):
+    out = tmp_path_factory.mktemp("reference")
+    proc = run(train_cmd(out, "--sample_interval=0"), run_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_run_writes_metrics_plot_samples_and_checkpoints(reference_run):
+    out, proc = reference_run
+    records = read_metrics(out)
+    train = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert [r["step"] for r in evals] == [0, 4, 8, 12]
+    for r in train:
+        for k in ("loss", "lr", "grad_norm", "step_time", "tokens_per_s", "flops_per_s", "tokens"):
+            assert isinstance(r[k], (int, float)), (k, r)
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "--- sample 0 (step 12) ---" in (out / "samples.txt").read_text()
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["n_layer"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["val_loss"] == evals[-1]["val_loss"] and summary["train_loss"] == train[-1]["loss"]
+    kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept == [9, 12]  # keep_checkpoints: 2
+    assert "done: step 12" in proc.stderr + proc.stdout
+
+
+def test_sigkill_then_resume_repeats_the_losses_bit_for_bit(tmp_path, reference_run, run_env):
+    ref_dir, _ = reference_run
+    out = tmp_path / "killed"
+    slow = {**run_env, "JAXGPT_DEBUG_STEP_SLEEP": "0.25"}  # test hook: room to kill it mid-run
+    proc = subprocess.Popen(train_cmd(out), cwd=REPO, env=slow, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = [r["step"] for r in read_metrics(out) if r["type"] == "train"] if out.exists() else []
+            saved = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.name.isdigit()] \
+                if (out / "checkpoints").exists() else []
+            if saved and done and max(done) >= min(saved) + 2:  # a checkpoint exists and the run went on
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "summary.json").exists()
+    killed_at = max(r["step"] for r in read_metrics(out) if r["type"] == "train")
+    assert killed_at < 12
+
+    resumed = run(train_cmd(out, "--resume=must"), run_env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step" in resumed.stdout
+    assert losses(out) == losses(ref_dir)  # train and val losses, every step, bit-identical
+
+
+def test_resume_must_without_checkpoint_and_mismatch(tmp_path, reference_run, run_env):
+    ref_dir, _ = reference_run
+    proc = run(train_cmd(tmp_path / "empty", "--resume=must"), run_env)
+    assert proc.returncode == 2 and "resume: must" in proc.stderr and "Traceback" not in proc.stderr
+    before = (ref_dir / "metrics.jsonl").read_text()
+    proc = run(train_cmd(ref_dir, "--model.n_embd=48"), run_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "model.n_embd: checkpoint has 32, requested 48" in proc.stderr
+    assert (ref_dir / "metrics.jsonl").read_text() == before  # nothing touched
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, run_env):
+    out = tmp_path / "nan"
+    proc = run(train_cmd(out, "--optim.lr=1e9", "--optim.warmup_steps=0", "--optim.grad_clip=0",
+                         "--checkpoint_interval=1", "--eval_interval=0"), run_env)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    train = [r for r in read_metrics(out) if r["type"] == "train"]
+    bad_step = len(train) + 1  # non-finite steps are not logged
+    assert f"step {bad_step}: loss nan" in proc.stderr or f"step {bad_step}: loss inf" in proc.stderr
+    assert f"last good checkpoint is step {bad_step - 1}" in proc.stderr
+    kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept and max(kept) == bad_step - 1
+    assert (out / "loss.png").exists()
