@@ -46,11 +46,12 @@ On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "aut
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).
 
 Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and the backward's transient
-working set (the gradient buffers of one layer: 2 fp32 T x T per head for dP and dS on the XLA path, plus
-8 C fp32). jaxgpt's fused chunked cross-entropy (``Policy.fast_kernels``) never holds the full
-(B T, Vp) logits: per chunk of ``rows = min(B T, 2^23 // Vp)`` tokens it keeps the fp32 logits,
-probabilities and their gradient (3 x 4 rows Vp bytes), plus dh (4 B T C) and the fp32 wte gradient
-accumulator (4 C Vp). Without fast kernels: 3 x 4 B T V bytes.
+working set (the C-sized gradient buffers of one layer, 8 C fp32 per token; its T x T gradients dP and
+dS fit in the memory of the T x T tensors that layer just released). jaxgpt's fused chunked
+cross-entropy (``Policy.fast_kernels``) never holds the full (B T, Vp) logits: per chunk of
+``rows = min(B T, 2^23 // Vp)`` tokens XLA keeps two fp32 (rows, Vp) buffers (the logits, and the
+softmax-minus-one-hot gradient fused from them), plus dh (4 B T C) and the fp32 wte gradient accumulator
+(4 C Vp). Without fast kernels: 2 x 4 B T V bytes (logits and their gradient).
 
 With rematerialisation (``--remat``: ``jax.checkpoint`` around each block saving nothing), each layer
 keeps only its input (the fp32 residual stream, 4 C bytes per token) and the backward recomputes one
@@ -448,11 +449,10 @@ def estimate_activations(config: GPTConfig, *, batch_size: int, seq_len: int, pr
     Vp = config.vocab_rows
     if fast_kernels:
         rows = min(M, max(1, CE_CHUNK_ELEMENTS // Vp))
-        loss = 3 * 4 * rows * Vp + 4 * M * C + 4 * C * Vp
+        loss = 2 * 4 * rows * Vp + 4 * M * C + 4 * C * Vp
     else:
-        loss = 3 * 4 * M * config.vocab_size
-    tt = 2 * 4 * N * T if attention == "xla" else 0
-    transient = (tt + 8 * 4 * C) * M
+        loss = 2 * 4 * M * config.vocab_size
+    transient = 8 * 4 * C * M
     return ActivationEstimate(tokens=M, per_layer_per_token=per, per_layer_per_token_no_remat=full,
                               layers=layers, ln_f=ln_f, loss_buffers=loss, backward_transient=transient,
                               remat=remat)
