@@ -169,10 +169,12 @@ def hf_to_ref(state: Mapping[str, np.ndarray], config: GPTConfig, *, source: str
             parts.append(f"mis-shaped tensors {_abbrev(misshaped)}")
         raise CheckpointError(f"{source} does not match a GPT-2 of {_describe(config)}: " + "; ".join(parts)
                               + ". Is it a GPT-2 checkpoint, with the config.json it was saved with?")
-    if lm_head is not None and lm_head.shape == tensors["wte.weight"].shape and \
-            not np.array_equal(lm_head, tensors["wte.weight"]):
-        raise CheckpointError(f"{source}: lm_head.weight differs from wte.weight; GPT-2's lm_head is tied to "
-                              "the token embedding and jaxgpt cannot load an untied head")
+    if lm_head is not None and (lm_head.shape != tensors["wte.weight"].shape or
+                                not np.array_equal(lm_head, tensors["wte.weight"])):
+        shapes = ("" if lm_head.shape == tensors["wte.weight"].shape
+                  else f" (shape {tuple(lm_head.shape)} vs {tuple(tensors['wte.weight'].shape)})")
+        raise CheckpointError(f"{source}: lm_head.weight differs from wte.weight{shapes}; GPT-2's lm_head is tied "
+                              "to the token embedding and jaxgpt cannot load an untied head")
     out = {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
     pad = config.vocab_rows - config.vocab_size
     if pad:
