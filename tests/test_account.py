@@ -1,0 +1,268 @@
+"""Tests for jaxgpt.account: parameter counts against the published GPT-2 numbers and the real model, memory
+terms and XLA's own memory analysis of a compiled train step, the device peak table, MFU, the dtype table
+against ml_dtypes, and the CLI (tables, JSON, clean errors with exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxgpt import account as acc
+from jaxgpt.config import GPTConfig
+
+PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+             "gpt2-xl": 1_557_611_200}
+
+
+# ---- parameters ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_count_matches_published(name):
+    p = acc.count_params(GPTConfig.preset(name))
+    assert p.total == PUBLISHED[name]
+    assert p.wte + p.wpe + p.attention + p.mlp + p.layernorm == p.total
+    cfg = GPTConfig.preset(name)
+    assert p.per_layer * cfg.n_layer + p.wte + p.wpe + 2 * cfg.n_embd == p.total
+
+
+def test_param_components_gpt2():
+    p = acc.count_params(GPTConfig.preset("gpt2"))
+    assert (p.wte, p.wpe) == (50257 * 768, 1024 * 768)
+    assert p.attention == 12 * (768 * 2304 + 2304 + 768 * 768 + 768)
+    assert p.mlp == 12 * (768 * 3072 + 3072 + 3072 * 768 + 768)
+    assert p.layernorm == 25 * 2 * 768
+    assert p.without_wpe == 123_653_376  # nanoGPT's "number of parameters: 123.65M"
+    assert p.non_embedding == 85_056_000
+    nobias = acc.count_params(GPTConfig.preset("gpt2", bias=False))
+    assert p.total - nobias.total == 12 * (2304 + 768 + 3072 + 768 + 2 * 768) + 768
+
+
+# ---- memory -------------------------------------------------------------------------------------------------
+def test_memory_terms():
+    cfg = GPTConfig.preset("gpt2")
+    n = PUBLISHED["gpt2"]
+    for opt, states in [("adamw", 2), ("adam", 2), ("sgd", 1), ("adagrad", 1), ("rmsprop", 1)]:
+        m = acc.estimate_memory(cfg, batch_size=4, optimizer=opt)
+        assert m.params == m.grads == 4 * n
+        assert m.optimizer_state == states * 4 * n
+        assert m.grad_accumulator == 0 and m.weight_copies == 0
+    m = acc.estimate_memory(cfg, batch_size=4, grad_accum=8, precision="bf16")
+    assert m.grad_accumulator == 4 * n
+    assert m.weight_copies == 2 * (12 * 12 * 768 * 768 + 50257 * 768)
+    sharded = acc.estimate_memory(cfg, batch_size=4, mesh={"data": 2, "fsdp": 4})
+    assert sharded.state_shards == 4 and sharded.params == -(-4 * n // 4)
+    assert sharded.activations == acc.estimate_memory(cfg, batch_size=4).activations
+    assert m.total == sum(v for k, v in m.rows() if k != "total")
+
+
+def test_saved_activation_derivation():
+    cfg = GPTConfig.preset("gpt2")
+    C, N, T = 768, 12, 1024
+    # fp32: 16 C fp32 (+ two 1/std) + four fp32 T x T per head on the XLA path
+    assert acc.saved_bytes_per_layer_token(cfg, T, precision="fp32") == 64 * C + 8 + 16 * N * T
+    # bf16: 6 C fp32 + 10 C bf16 matmul inputs
+    assert acc.saved_bytes_per_layer_token(cfg, T, precision="bf16") == 44 * C + 8 + 16 * N * T
+    # flash / cuDNN: no T x T, one fp32 log-sum-exp per head
+    assert acc.saved_bytes_per_layer_token(cfg, T, precision="bf16", attention="cudnn") == 44 * C + 8 + 4 * N
+    full = acc.estimate_activations(cfg, batch_size=8, seq_len=T)
+    remat = acc.estimate_activations(cfg, batch_size=8, seq_len=T, remat=True)
+    assert remat.per_layer_per_token == 4 * C
+    assert remat.layers == 4 * C * 8 * T * 12 + full.layers // 12
+    assert remat.layers < full.layers / 5
+    plain = acc.estimate_activations(cfg, batch_size=8, seq_len=T, fast_kernels=False)
+    assert plain.loss_buffers == 2 * 4 * 8 * T * 50257
+
+
+def test_fits_device():
+    big = acc.estimate_memory(GPTConfig.preset("gpt2-xl"), batch_size=64, precision="fp32", device="a100")
+    assert big.fits is False
+    small = acc.estimate_memory(GPTConfig.preset("gpt2"), batch_size=4, precision="bf16", device="h200")
+    assert small.fits is True and small.fits_jax_default is True
+    assert acc.estimate_memory(GPTConfig.preset("gpt2"), batch_size=4).fits is None  # no device given
+
+
+# ---- devices, peaks, MFU --------------------------------------------------------------------------------------
+def test_peak_table():
+    assert acc.peak_flops("h100-sxm", "bf16") == 989.4e12
+    assert acc.peak_flops("h100", "bfloat16") == 989.4e12
+    assert acc.peak_flops("a100", "tf32") == 156e12
+    assert acc.peak_flops("h100-pcie", "fp8") == 1513e12
+    assert acc.peak_flops("h200", "fp32") == 67e12
+    with pytest.raises(acc.AccountError, match="no fp8"):
+        acc.peak_flops("a100-sxm-80gb", "fp8")
+    with pytest.raises(acc.AccountError, match="valid devices are"):
+        acc.peak_flops("tpu-v5", "bf16")
+    with pytest.raises(acc.AccountError, match="valid dtypes"):
+        acc.peak_flops("h100", "int4")
+    for name, d in acc.DEVICES.items():
+        if name != "cpu":
+            assert d.peak["bf16"] == 2 * d.peak["tf32"]  # dense tensor-core ratios, not the sparse figures
+            assert d.memory_bytes >= 80 * 2**30 and d.bandwidth_bytes_s > 1e12
+
+
+def test_jax_device_objects_resolve():
+    assert acc.resolve_device(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")) == "h100-sxm"
+    assert acc.resolve_device(SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 PCIe")) == "h100-pcie"
+    assert acc.resolve_device(SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB")) == "a100-sxm-80gb"
+    assert acc.resolve_device(SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")) == "h200"
+    assert acc.resolve_device(SimpleNamespace(platform="cpu", device_kind="cpu")) == "cpu"
+    with pytest.raises(acc.AccountError):
+        acc.resolve_device(SimpleNamespace(platform="gpu", device_kind="Tesla T4"))
+
+
+def test_mfu():
+    assert acc.mfu(989.4e12 * 0.5, 1.0, "h100", "bf16") == pytest.approx(0.5)
+    with pytest.raises(acc.AccountError):
+        acc.mfu(1e12, 0.0, "h100", "bf16")
+
+
+def test_measure_cpu_peak_probe():
+    peak = acc.measure_cpu_peak(0.05, 256)
+    assert peak.fp32 > 1e8 and peak.bf16 > 1e8  # any CPU does > 0.1 GFLOP/s
+    assert float(peak) == peak.fp32 and peak.get("bf16") == peak.bf16
+    assert acc.measure_cpu_peak(0.05, 256) is peak  # cached
+
+
+def test_account_time_and_cost():
+    a = acc.account(GPTConfig.preset("gpt2"), batch_size=16, precision="bf16", device="h100-sxm",
+                    mfu=0.5, tokens=1e9, dollars_per_hour=2.0)
+    assert a.matmul_dtype == "bf16" and a.attention == "cudnn"
+    assert a.flops_per_step == 16 * 1024 * a.flops_per_token
+    assert a.step_time_s == pytest.approx(a.flops_per_step / (989.4e12 * 0.5))
+    assert a.tokens_per_s == pytest.approx(16 * 1024 / a.step_time_s)
+    assert a.train_time_s == pytest.approx(1e9 * a.flops_per_token / (989.4e12 * 0.5))
+    assert a.train_cost_dollars == pytest.approx(a.train_time_s / 3600 * 2.0)
+    fp32 = acc.account(GPTConfig.preset("gpt2"), precision="fp32", device="a100")
+    assert fp32.matmul_dtype == "tf32" and fp32.attention == "xla"
+    assert fp32.tokens == 20 * PUBLISHED["gpt2"]  # Chinchilla default
+
+
+# ---- data types -----------------------------------------------------------------------------------------------
+def test_dtype_table_against_ml_dtypes():
+    rows = {d.name: d for d in acc.dtype_table()}
+    for name, dt, bits, e, m in [("fp32", np.float32, 32, 8, 23), ("fp16", np.float16, 16, 5, 10),
+                                 ("bf16", ml_dtypes.bfloat16, 16, 8, 7), ("fp8 e4m3", ml_dtypes.float8_e4m3fn, 8, 4, 3),
+                                 ("fp8 e5m2", ml_dtypes.float8_e5m2, 8, 5, 2)]:
+        fi = ml_dtypes.finfo(dt)
+        r = rows[name]
+        assert (r.bits, r.sign_bits, r.exponent_bits, r.mantissa_bits) == (bits, 1, e, m)
+        assert r.sign_bits + r.exponent_bits + r.mantissa_bits == r.bits
+        assert (r.max, r.smallest_normal, r.eps) == (float(fi.max), float(fi.smallest_normal), float(fi.eps))
+    assert rows["fp8 e4m3"].max == 448.0 and rows["fp8 e5m2"].max == 57344.0
+    assert rows["bf16"].eps == 2.0**-7 and rows["fp16"].max == 65504.0
+    assert rows["fp8 e4m3"].smallest_normal == 2.0**-6 and rows["fp8 e5m2"].smallest_normal == 2.0**-14
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------------
+def test_cli_tables(capsys):
+    assert acc.main(["--model", "gpt2", "--device", "h100-sxm", "--dtypes", "--devices", "--conventions"]) == 0
+    out = capsys.readouterr().out
+    for part in ["124,439,808", "optimizer state", "fits yes", "tokens/s", "PaLM / nanoGPT", "fp8 e5m2",
+                 "h100-pcie", "989.4"]:
+        assert part in out, part
+
+
+def test_cli_json(capsys, tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("model:\n  n_layer: 2\n  n_head: 2\n  n_embd: 64\n  block_size: 128\n")
+    assert acc.main(["--config", str(cfg), "--batch", "4", "--precision", "fp32", "--optimizer", "sgd",
+                     "--device", "a100", "--json", "--dtypes"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["params"]["total"] == acc.count_params(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=128)).total
+    assert d["memory"]["optimizer_state"] == 4 * d["params"]["total"]
+    assert d["matmul_dtype"] == "tf32" and d["seq_len"] == 128 and len(d["dtypes"]) == 5
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--device", "tpu"], "valid devices are"),
+    (["--batch", "0"], "batch_size = 0"),
+    (["--batch", "-3"], "batch_size = -3"),
+    (["--optimizer", "lion"], "valid optimizers are"),
+    (["--model", "gpt5"], "valid presets are"),
+    (["--precision", "fp8"], "allowed values are"),
+    (["--mfu", "1.5"], "mfu"),
+])
+def test_cli_errors(capsys, argv, match):
+    assert acc.main(argv) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_cli_error_subprocess_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--device", "v100"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "valid devices are" in r.stderr and "h100-sxm" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--batch", "x"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+# ---- against the real model and XLA ------------------------------------------------------------------------
+model_mod = pytest.importorskip("jaxgpt.model", reason="jaxgpt.model not there yet")
+
+
+def _model(cfg, prec="fp32"):
+    from flax import nnx
+
+    from jaxgpt.precision import Policy
+
+    return model_mod.GPT(cfg, policy=Policy.named(prec), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("name, over", [("tiny", {}), ("gpt2", dict(n_layer=2)), ("small", dict(bias=False))])
+def test_param_count_equals_real_model(name, over):
+    import jax
+    from flax import nnx
+
+    cfg = GPTConfig.preset(name, **over)
+    params = nnx.state(nnx.eval_shape(lambda: _model(cfg)), nnx.Param)
+    leaves = jax.tree.leaves(params)
+    assert sum(x.size for x in leaves) == acc.count_params(cfg).total
+    assert sum(x.size * x.dtype.itemsize for x in leaves) == acc.estimate_memory(cfg, batch_size=1).params
+
+
+def test_param_bytes_equal_real_arrays():
+    import jax
+    from flax import nnx
+
+    cfg = GPTConfig.preset("tiny")
+    params = nnx.state(_model(cfg), nnx.Param)
+    assert sum(x.nbytes for x in jax.tree.leaves(params)) == 4 * acc.count_params(cfg).total
+
+
+def _xla_temp(cfg, batch, seq, prec):
+    """XLA's temp bytes for a jitted value_and_grad + optax.adamw step with donated params and state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: _model(cfg, prec)), nnx.Param, ...)
+    opt = optax.adamw(1e-3)
+    ostate = jax.eval_shape(opt.init, params)
+
+    def step(p, o, x, y):
+        loss, g = jax.value_and_grad(lambda p: nnx.merge(graphdef, p, rest).loss(x, y))(p)
+        updates, o = opt.update(g, o, p)
+        return optax.apply_updates(p, updates), o, loss
+
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, ostate, tok, tok).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("cfg, batch, seq, prec", [
+    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=256), 8, 128, "fp32"),  # activations
+    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=256), 8, 128, "bf16"),
+    (GPTConfig.preset("mini", n_layer=2), 4, 128, "fp32"),  # the 50304-row vocabulary and the chunked loss
+])
+def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
+    temp = _xla_temp(cfg, batch, seq, prec)
+    est = acc.estimate_memory(cfg, batch_size=batch, seq_len=seq, precision=prec, attention="xla")
+    print(f"\nXLA temp {temp / 2**20:.2f} MiB, estimate {est.xla_temp / 2**20:.2f} MiB "
+          f"(activations {est.activations.total / 2**20:.2f} MiB)")
+    assert est.xla_temp == pytest.approx(temp, rel=0.20)
