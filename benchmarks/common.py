@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
-TMP = RESULTS / "tmp"  # git-ignored scratch: init weights, shards, inductor cache, worker outputs
+# JAXGPT_BENCH_RESULTS redirects the results (tests and dry runs use it so they don't overwrite committed ones)
+RESULTS = Path(os.environ.get("JAXGPT_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
+TMP = ROOT / "benchmarks" / "results" / "tmp"  # git-ignored scratch: init weights, shards, inductor cache
 
 # The glibc malloc settings measured in /work/shared/notes/cpu-performance.md: one arena, no mmap for large
 # blocks and never trimming, so XLA's large per-step buffers are reused instead of faulted in every step.

@@ -76,7 +76,9 @@ def allocator_table(train: dict[str, dict]) -> str | None:
 
 
 def write(path: Path | None = None) -> Path:
-    path = path or common.ROOT / "BENCHMARKS.md"
+    if path is None:  # results redirected (dry runs, tests): keep the report beside them
+        path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
+            else common.RESULTS / "BENCHMARKS.md"
     train = {f"{s}-{a}": r for s, a in TRAIN_FILES if (r := _load(f"train_step-{s}-{a}"))}
     gen, data = _load("generate"), _load("data_loader")
     any_res = next(iter(train.values()), None) or gen

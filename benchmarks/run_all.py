@@ -47,20 +47,30 @@ def main(argv=None) -> int:
     p.add_argument("--wait-load", type=float, default=1.5)
     p.add_argument("--wait-max", type=float, default=1200)
     p.add_argument("--only", default=",".join(PARTS))
+    p.add_argument("--dry-run", action="store_true",
+                   help="plumbing check: the tiny preset everywhere, 1 round x 2 steps, no waiting; set "
+                        "JAXGPT_BENCH_RESULTS to a scratch dir so the committed results stay")
     a = p.parse_args(argv)
     parts = [x.strip() for x in a.only.split(",") if x.strip()]
     bad = [x for x in parts if x not in PARTS]
     if bad:
         raise SystemExit(f"unknown part(s) {bad}; valid: {PARTS}")
     log = lambda s: print(s, flush=True)  # noqa: E731
-    wait_quiet(a.wait_load, a.wait_max)
+    dry = a.dry_run
+    if dry:
+        a.rounds = a.gpt2_rounds = a.alloc_rounds = a.gen_rounds = 1
+        a.steps = a.gpt2_steps = a.alloc_steps = 2
+    else:
+        wait_quiet(a.wait_load, a.wait_max)
     ok = True
     variants = train_step.ALL_VARIANTS
     for shape in ("small", "gpt2", "gpt2-t256"):
         if shape in parts:
             rounds, steps = (a.rounds, a.steps) if shape == "small" else (a.gpt2_rounds, a.gpt2_steps)
             log(f"== train_step {shape}, tuned allocator, load {common.loadavg()}")
-            res = train_step.run(shape, variants, rounds=rounds, steps=steps, warmup=2, allocator="tuned", log=log)
+            res = train_step.run("tiny" if dry else shape, variants, rounds=rounds, steps=steps, warmup=2,
+                                 allocator="tuned", log=log)
+            res["shape"] = shape
             res["command"] = (f"python -m benchmarks.train_step --config {shape} --variants all --rounds {rounds} "
                               f"--steps {steps} --allocator tuned")
             train_step.save(res)
@@ -68,22 +78,24 @@ def main(argv=None) -> int:
             ok &= all("error" not in r for r in res["variants"].values())
     if "alloc" in parts:
         log(f"== train_step small, default allocator, load {common.loadavg()}")
-        res = train_step.run("small", variants, rounds=a.alloc_rounds, steps=a.alloc_steps, warmup=2,
-                             allocator="default", log=log)
+        res = train_step.run("tiny" if dry else "small", variants, rounds=a.alloc_rounds, steps=a.alloc_steps,
+                             warmup=2, allocator="default", log=log)
+        res["shape"] = "small"
         res["command"] = (f"python -m benchmarks.train_step --config small --variants all --rounds {a.alloc_rounds} "
                           f"--steps {a.alloc_steps} --allocator default")
         train_step.save(res)
         log(train_step.markdown(res))
     if "generate" in parts:
         log(f"== generate, load {common.loadavg()}")
-        res = generate.run(preset="gpt2", prompt_counts=[1, 8], variants=generate.GEN_VARIANTS, new=128,
+        res = generate.run(preset="tiny" if dry else "gpt2", prompt_counts=[1, 8], variants=generate.GEN_VARIANTS,
+                           new=8 if dry else 128,
                            prompt_len=16, rounds=a.gen_rounds, repeats=2, allocator="tuned", log=log)
         res["command"] = f"python -m benchmarks.generate --rounds {a.gen_rounds}"
         generate.save(res)
         log(generate.markdown(res))
     if "data" in parts:
         log(f"== data loader, load {common.loadavg()}")
-        res = data_loader.run(batches=2000, allocator="tuned", log=log)
+        res = data_loader.run(batches=50 if dry else 2000, allocator="tuned", log=log)
         res["command"] = "python -m benchmarks.data_loader"
         data_loader.save(res)
         log(data_loader.markdown(res))
