@@ -116,35 +116,50 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, to
     def put(buf, i, tok):  # new token i sits at absolute index T0 + i of the sequence
         return jax.lax.dynamic_update_slice(buf, tok[:, None], (0, T0 + i))
 
-    def recompute_step(i, buf, width):
-        """Token i from a full forward pass over the window of the last min(width, T0 + i) tokens."""
-        n = T0 + i  # tokens so far
+    def recompute_logits(buf, n, width):
+        """Next-token logits after the first ``n`` tokens of ``buf``, from a full forward pass over a window
+        of ``width`` tokens holding the last min(width, n) of them (not-yet-generated slots after them)."""
         start = jnp.maximum(n - width, 0)
         window = jax.lax.dynamic_slice(buf, (0, start), (B, width))  # positions restart at 0
         h, _ = model.hidden(window)
-        h_last = jax.lax.dynamic_slice_in_dim(h, n - 1 - start, 1, axis=1)  # last real token
-        return put(buf, i, sample(model.logits(h_last)[:, 0], i))
+        h_last = jax.lax.dynamic_slice_in_dim(h, n - 1 - start, 1, axis=1)  # the last real token
+        return model.logits(h_last)[:, 0]
 
     if not use_cache:
         width = min(block_size, L)
-        return jax.lax.fori_loop(0, n_new, lambda i, b: recompute_step(i, b, width), buf)
 
-    # Token i sees T0 + i tokens; it can come from the cache while T0 + i <= block_size.
+        def step(i, buf):
+            return put(buf, i, sample(recompute_logits(buf, T0 + i, width), i))
+
+        return jax.lax.fori_loop(0, n_new, step, buf)
+
+    # Token i sees T0 + i tokens: its logits come from the cache while T0 + i <= block_size.
     n_cached = min(n_new, block_size - T0 + 1)
     cache = model.init_cache(B, T0 + n_cached - 1)  # the last cached step writes position T0+n_cached-2
     h, cache = model.hidden(ctx, cache=cache, pos=0)  # prefill
-    tok = sample(model.logits(h[:, -1:])[:, 0], 0)
-    buf = put(buf, 0, tok)
+    logits = model.logits(h[:, -1:])[:, 0]
 
-    def decode_step(i, carry):
-        buf, cache, prev = carry
-        h, cache = model.hidden(prev[:, None], cache=cache, pos=T0 + i - 1)  # token i-1 at its position
-        tok = sample(model.logits(h)[:, 0], i)
-        return put(buf, i, tok), cache, tok
+    def step(i, carry):  # one sampling site, then the logits of token i+1 by whichever regime applies
+        buf, cache, logits = carry
+        tok = sample(logits, i)
+        buf = put(buf, i, tok)
 
-    buf, _, _ = jax.lax.fori_loop(1, n_cached, decode_step, (buf, cache, tok))
-    if n_cached < n_new:  # past block_size: nanoGPT's cropped recompute (positions shift: no cache reuse)
-        buf = jax.lax.fori_loop(n_cached, n_new, lambda i, b: recompute_step(i, b, block_size), buf)
+        def decode(buf, cache):  # token i at its absolute position against the cache: O(T)
+            h, cache = model.hidden(tok[:, None], cache=cache, pos=T0 + i)
+            return model.logits(h)[:, 0], cache
+
+        def recompute(buf, cache):  # past block_size: nanoGPT's cropped recompute (positions shift)
+            return recompute_logits(buf, T0 + i + 1, block_size), cache
+
+        def done(buf, cache):
+            return logits, cache
+
+        branches = [decode] + ([recompute] if n_cached < n_new else [])
+        regime = jnp.where(i + 1 >= n_new, len(branches), jnp.where(i + 1 < n_cached, 0, 1))
+        logits, cache = jax.lax.switch(regime, branches + [done], buf, cache)
+        return buf, cache, logits
+
+    buf, _, _ = jax.lax.fori_loop(0, n_new, step, (buf, cache, logits))
     return buf
 
 

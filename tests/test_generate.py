@@ -63,7 +63,7 @@ def model() -> GPT:
 
 @pytest.fixture(scope="module")
 def runs(model):
-    """The shared generations: (B=2, T=5, N=30) sampled / greedy / top_k=1, cached and uncached."""
+    """The shared generations, (B=2, T=5, N=30): sampled and greedy, cached and uncached; top_k=1."""
     sampled = dict(temperature=1.0, top_k=None, seed=7, num_samples=2)
     greedy = dict(temperature=0.0, top_k=None, num_samples=2)  # top_k is ignored when greedy
     return {
@@ -71,8 +71,9 @@ def runs(model):
         "sampled_uncached": generate(model, PROMPT, max_new_tokens=N_NEW, use_cache=False, **sampled),
         "greedy": generate(model, PROMPT, max_new_tokens=N_NEW, **greedy),
         "greedy_uncached": generate(model, PROMPT, max_new_tokens=N_NEW, use_cache=False, **greedy),
+        # (uncached: it compiles faster, and it equals the cached path, as checked below)
         "top1": generate(model, PROMPT, max_new_tokens=N_NEW, temperature=1.3, top_k=1, seed=5,
-                         num_samples=2),
+                         num_samples=2, use_cache=False),
     }
 
 
@@ -163,8 +164,6 @@ def test_prompt_longer_than_block_size(model):
     out = generate(model, prompt, max_new_tokens=8, temperature=0.0)
     assert out.shape == (1, 33)
     np.testing.assert_array_equal(out[0, :25], prompt)  # the whole prompt comes back
-    ref = generate(model, prompt, max_new_tokens=8, temperature=0.0, use_cache=False)
-    np.testing.assert_array_equal(out, ref)
     # each token: argmax after the last block_size tokens, positions from 0 (so the prompt's head is unused)
     ns = list(range(25, 33))
     np.testing.assert_array_equal(greedy_next(model, out, ns), out[0, ns])
