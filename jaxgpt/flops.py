@@ -311,3 +311,82 @@ def conventions_table(config: GPTConfig, seq_len: int | None = None) -> str:
         n = "-" if c.n is None else f"{c.n:,} ({c.n_definition})"
         lines.append(f"{c.name:<24}{c.formula:<40}{c.flops_per_token:>16,.0f}{c.flops_per_token / base - 1:>+10.2%}  {n}")
     return "\n".join(lines)
+
+
+# ---- the non-matmul remainder, for reconciling with a compiler's count ------------------------------------
+# FLOPs per parameter of one optax update as XLA counts it (measured with cost_analysis() of the jitted
+# update alone; e.g. adamw: m = b1 m + (1-b1) g [3], v = b2 v + (1-b2) g^2 [4], two bias corrections [2],
+# + eps [1], divide [1], + wd p [2], * -lr [1], p + u [1] = 15; sqrt is a transcendental).
+OPTIMIZER_FLOPS_PER_PARAM: dict[str, int] = {"adamw": 15, "adam": 13, "sgd": 4, "adagrad": 8, "rmsprop": 8}
+
+
+def nonmatmul_flops(config: GPTConfig, seq_len: int, *, batch_size: int = 1, train: bool = True,
+                    loss: bool = True, fused_loss: bool = True, optimizer: str | None = "adamw"
+                    ) -> dict[str, int]:
+    """Estimated non-matmul FLOPs of one micro-step of ``batch_size`` sequences (plus, with ``optimizer``,
+    one optimizer update), by category, counted the way XLA's ``HloCostAnalysis`` counts them: 1 FLOP per
+    output element of an elementwise op (add, mul, div, max, select, compare, convert), n - 1 per reduction
+    of n elements, 0 for data movement (gather, transpose, reshape, pad, slice), and transcendentals (exp,
+    log, tanh, rsqrt) not in "flops" at all (XLA reports them separately).
+
+    Forward, per token, counted from jaxgpt's source (C = n_embd, N heads, T tokens, L layers, Vp rows):
+
+    * embedding: ``wte[idx] + wpe[pos]``: C (the gathers are free).
+    * layernorm, 2L + 1 of them: mean (C), x - mean twice (2C: XLA does not CSE the two), square (C),
+      variance sum (C), * 1/std (C), * scale (C), + bias (C), and per row 1/C, + eps: 8C + 1 each
+      (7C + 1 without bias). 1/std = rsqrt is a transcendental.
+    * bias adds: 3C + C + 4C + C = 9C per layer; residual adds: 2C per layer.
+    * attention, per layer: scale (N T), causal mask select (N T), softmax max, subtract, sum, divide
+      (4 N T): 6 N T, plus the select jax.nn applies for its mask: 7 N T in all.
+    * GELU (tanh form): x^3 (2), * 0.044715, + x, * sqrt(2/pi), + 1, * 0.5, * x: 8 per element of 4C,
+      32 C per layer.
+    * loss (``loss=False`` for a logits-only forward): jaxgpt's fused cross-entropy (``fused_loss``,
+      ``Policy.fast_kernels``) masks the padded columns, then max, subtract, sum: ~4 Vp; the plain
+      ``cross_entropy`` on sliced logits: max, subtract, sum, target pick: ~3 V.
+
+    Backward, per token, as emitted by JAX's autodiff of that code (counted from the jaxpr; the JVP adds a
+    few ops per element on top of the textbook derivative): layernorm 16 C each; GELU 14 per element
+    (56 C per layer); attention 11 N T per layer (softmax backward P * (dP - sum(P dP)), the mask and the
+    scale); bias gradients 9 C per layer (sums over tokens); the q/k/v split's gradient 6 C per layer;
+    embedding 2.5 C per token plus the wte gradient's two paths summed (Vp C per micro-step); loss ~5.5 Vp
+    + 3 C per token (exp(logits - lse), minus the one-hot, its mask, scaling dh) plus the chunked
+    wte-gradient accumulation (C Vp per micro-step) when fused; ~5 V per token for the plain loss.
+
+    Optimizer: :data:`OPTIMIZER_FLOPS_PER_PARAM` x parameters, once per step.
+
+    These reconcile the analytic matmul count with XLA's ``cost_analysis()`` of the program as lowered
+    (before fusion) to well under 1% on small models; the compiled count is a few % higher on small models
+    because XLA duplicates cheap elementwise ops into several fusions (recomputing rather than storing).
+    See parity_tests/test_flops_parity.py.
+    """
+    T, C, N, L = seq_len, config.n_embd, config.n_head, config.n_layer
+    Vp, M = config.vocab_rows, batch_size * seq_len
+    b = int(config.bias)
+    per_token = {
+        "embedding": C,
+        "layernorm": (2 * L + 1) * ((7 + b) * C + 1),
+        "bias": b * 9 * C * L,
+        "residual": 2 * C * L,
+        "attention": 7 * N * T * L,
+        "gelu": 32 * C * L,
+        "loss": (4 * Vp if fused_loss else 3 * config.vocab_size) if loss else 0,
+    }
+    out = {k: v * M for k, v in per_token.items()}
+    if train:
+        bwd = {
+            "embedding": int(2.5 * C * M) + Vp * C,
+            "layernorm": (2 * L + 1) * 16 * C * M,
+            "bias": b * 9 * C * L * M,
+            "residual": 6 * C * L * M,  # the q/k/v split's gradient (three slices summed into one)
+            "attention": 11 * N * T * L * M,
+            "gelu": 56 * C * L * M,
+            "loss": 0 if not loss else (int(5.5 * Vp + 3 * C) * M + C * Vp if fused_loss
+                                        else 5 * config.vocab_size * M),
+        }
+        out = {k: out[k] + bwd.get(k, 0) for k in out}
+    if optimizer is not None:
+        if optimizer not in OPTIMIZER_FLOPS_PER_PARAM:
+            raise ConfigError(f"unknown optimizer {optimizer!r}; valid optimizers are "
+                              f"{sorted(OPTIMIZER_FLOPS_PER_PARAM)}")
+        out["optimizer"] = OPTIMIZER_FLOPS_PER_PARAM[optimizer] * n_params(config)["total"]
+    return out
