@@ -271,39 +271,36 @@ def count_params(params: Any, *, exclude_wpe: bool = False) -> int:
 
 
 def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_steps: int) -> float:
-    """Model (matmul) FLOPs of one optimizer step on one process: jaxgpt.flops's analytic count, or until
-    that module is present PaLM's 6N + 12LTC per token (N = matmul params incl. the tied lm_head)."""
-    try:
-        from jaxgpt.flops import count_flops
-    except ImportError:
-        C, L = config.n_embd, config.n_layer
-        n_matmul = L * 12 * C * C + config.vocab_rows * C
-        return float((6 * n_matmul + 12 * L * seq_len * C) * seq_len * batch_size * micro_steps)
+    """Model (matmul) FLOPs of one optimizer step on one process (jaxgpt.flops: forward + backward, full
+    T x T attention, the lm_head over the padded vocabulary)."""
+    from jaxgpt.flops import count_flops
+
     return float(count_flops(config, seq_len, batch_size=batch_size, grad_accum=micro_steps).training_per_step)
 
 
 def device_peak_flops(dtype: str) -> tuple[float | None, str]:
-    """Peak FLOP/s of one local device for MFU, and where the number came from."""
+    """Dense peak FLOP/s of one device for MFU (jaxgpt.account: a table for accelerators, a GEMM probe
+    measured once per process on CPU), and where the number came from; None for a device it doesn't know."""
     import jax
 
-    try:
-        from jaxgpt import account
-    except ImportError:
-        return None, "unknown (jaxgpt.account not available)"
+    from jaxgpt import account
+
     dev = jax.local_devices()[0]
     try:
-        if dev.platform == "cpu":
-            return float(account.measure_cpu_peak()), "measured CPU GEMM probe"
-        return float(account.peak_flops(dev, dtype)), f"table ({dev.device_kind}, {dtype})"
-    except Exception as e:  # an unknown device: no MFU, but train anyway
-        return None, f"unknown ({type(e).__name__}: {e})"
+        peak = float(account.peak_flops(dev, dtype))
+    except account.AccountError as e:  # an unknown device: no MFU, but train anyway
+        return None, f"unknown: {e}"
+    return peak, "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
 
 
 class MetricsLog:
-    """metrics.jsonl (+ TensorBoard when importable)."""
+    """metrics.jsonl (+ TensorBoard when importable); a no-op unless ``enabled`` (process 0 writes)."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None):
+    def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"
+        self.file = self.tb = None
+        if not enabled:
+            return
         if truncate_after is not None and self.path.exists():  # resumed: drop what the killed run logged later
             keep = [ln for ln in self.path.read_text().splitlines()
                     if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
@@ -313,11 +310,12 @@ class MetricsLog:
         elif truncate_after is None and self.path.exists():
             self.path.unlink()
         self.file = open(self.path, "a", buffering=1)
-        self.tb = None
         if tensorboard:
             self.tb = _summary_writer(run_dir / "tb")
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            return
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             kind = record["type"]
@@ -326,7 +324,8 @@ class MetricsLog:
                     self.tb.add_scalar(f"{kind}/{k}", v, record["step"])
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
 
@@ -414,9 +413,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     pcount, pindex = jax.process_count(), jax.process_index()
+    is_main = pindex == 0  # writes the run directory's files (all processes save checkpoints together)
     micro_steps = cfg.micro_steps(pcount)
     tokens_per_step = micro_steps * cfg.batch_size * cfg.seq_len * pcount
-    say = tqdm.write
+    say = tqdm.write if is_main else (lambda *_a, **_k: None)
 
     # ---- data -----------------------------------------------------------------------------------------
     data_dir = cfg.resolved_data_dir()
@@ -461,9 +461,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             rng = r.rng_key
             train_loader.load_state_dict(r.loader_state)
             start_step = r.step
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
-
-        metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, truncate_after=start_step if latest else None)
+        if is_main:
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
+        metrics = MetricsLog(run_dir, tensorboard=cfg.tensorboard, truncate_after=start_step if latest else None,
+                             enabled=is_main)
         n_params = count_params(state.params)
         step_flops = flops_per_step(model_cfg, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                     micro_steps=micro_steps) * pcount
@@ -478,11 +479,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         say(f"  run dir {run_dir}" + (f"; resumed from step {start_step}" if latest else ""))
 
         val_state = val_loader.state_dict()
+        n_eval = min(cfg.eval_steps, val_loader.batches_per_epoch)  # never the same batch twice
 
         def evaluate(params) -> float:
             val_loader.load_state_dict(val_state)  # the same batches every time
             losses = []
-            for _ in range(cfg.eval_steps):
+            for _ in range(n_eval):
                 x, y = val_loader.next_batch()
                 losses.append(eval_step(params, x, y))
             return float(np.mean([float(v) for v in losses]))
@@ -496,9 +498,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                   temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
                                   seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
             block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
-            with open(run_dir / "samples.txt", "a") as f:
-                f.write(block)
-            say(block.rstrip())
+            if is_main:
+                with open(run_dir / "samples.txt", "a") as f:
+                    f.write(block)
+                say(block.rstrip())
 
         def save(step: int, extra: dict[str, Any]) -> None:
             if ckpts.latest_step() == step:
@@ -562,29 +565,35 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 save(step, {"loss": loss})
         bar.close()
         final_step = max(start_step, cfg.max_steps)
-        val_loss = evaluate(state.params)
-        metrics.write({"type": "eval", "step": final_step, "val_loss": val_loss})
-        if cfg.sample_interval >= 0:
-            sample(state.params, final_step)
-        save(final_step, {"loss": last.get("loss")})
+        if start_step < cfg.max_steps:
+            val_loss = evaluate(state.params)
+            metrics.write({"type": "eval", "step": final_step, "val_loss": val_loss})
+            if cfg.sample_interval >= 0:
+                sample(state.params, final_step)
+            save(final_step, {"loss": last.get("loss")})
+        else:  # resumed a finished run: nothing to do
+            say(f"the run in {run_dir} already reached step {start_step} (max_steps {cfg.max_steps})")
+            done = read_metrics(run_dir)
+            val_loss = next((r["val_loss"] for r in reversed(done) if r["type"] == "eval"), None)
+            last = next((r for r in reversed(done) if r["type"] == "train"), {})
     finally:
         if bar is not None:
             bar.close()
         ckpts.close()
         if metrics is not None:
             metrics.close()
-            if cfg.plot:
+            if cfg.plot and is_main:
                 plot_losses(run_dir)
     wall = time.perf_counter() - t_start
     summary = {"steps": cfg.max_steps, "start_step": start_step, "train_loss": last.get("loss"),
                "val_loss": val_loss, "wall_s": wall, "compile_s": compile_s,
                "tokens_per_s": steady_tokens / steady_time if steady_time else None,
                "tokens": cfg.max_steps * tokens_per_step, "run_dir": str(run_dir)}
-    say(f"done: step {final_step}, train loss {summary['train_loss']}, val loss {val_loss:.4f}, "
+    say(f"done: step {final_step}, train loss {summary['train_loss']}, val loss {val_loss}, "
         f"{wall:.1f} s wall, " + (f"{summary['tokens_per_s']:,.0f} tok/s (steady), " if steady_time else "")
         + f"run dir {run_dir}")
-    with open(run_dir / "summary.json", "w") as f:
-        json.dump(summary, f, indent=2)
+    if is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
