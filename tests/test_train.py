@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 import yaml
 
@@ -201,3 +202,27 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, run_env):
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert kept and max(kept) == bad_step - 1
     assert (out / "loss.png").exists()
+
+
+def test_init_from_a_hugging_face_directory(tmp_path):
+    """init_from takes a local HF GPT-2 directory (what `python -m jaxgpt.checkpoint export --to-hf` writes);
+    the shape comes from its config.json and `dropout` overrides the checkpoint's rate."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxgpt import weights
+    from jaxgpt.config import GPTConfig
+    from jaxgpt.model import GPT
+    from jaxgpt.precision import Policy
+    from jaxgpt.train import build_model
+
+    src = GPT(GPTConfig.preset("tiny", dropout=0.1), rngs=nnx.Rngs(3))
+    weights.save_hf(src, tmp_path / "hf")
+    cfg = TrainConfig.load(REPO / "configs/finetune-gpt2.yaml", {"init_from": str(tmp_path / "hf"), "seq_len": 32})
+    model = build_model(cfg, Policy.fp32())
+    assert model.config == src.config.replace(dropout=0.0)
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(src, nnx.Param))):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ConfigError, match="seq_len = 65: must be <= the checkpoint's block_size"):
+        build_model(TrainConfig.load(REPO / "configs/finetune-gpt2.yaml",
+                                     {"init_from": str(tmp_path / "hf"), "seq_len": 65}), Policy.fp32())
