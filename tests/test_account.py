@@ -257,7 +257,8 @@ def _xla_temp(cfg, batch, seq, prec):
 
 @pytest.mark.parametrize("cfg, batch, seq, prec", [
     (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=256), 8, 128, "fp32"),  # activations
-    (GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=256), 8, 128, "bf16"),
+    pytest.param(GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=128, vocab_size=256), 8, 128, "bf16",
+                 marks=pytest.mark.slow),
     (GPTConfig.preset("mini", n_layer=2), 4, 128, "fp32"),  # the 50304-row vocabulary and the chunked loss
 ])
 def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
