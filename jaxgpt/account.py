@@ -55,7 +55,10 @@ softmax-minus-one-hot gradient fused from them), plus dh (4 B T C) and the fp32 
 
 With rematerialisation (``--remat``: ``jax.checkpoint`` around each block saving nothing), each layer
 keeps only its input (the fp32 residual stream, 4 C bytes per token) and the backward recomputes one
-block at a time, so one layer's full set is live on top.
+block at a time, so one layer's full set is live on top. That is the saving a memory-aware scheduler realises (XLA:GPU's);
+XLA:CPU's scheduler was seen to hoist the recomputation of every block ahead of the backward, so
+``memory_analysis()`` on CPU shows no saving from ``jax.checkpoint`` (measured on a 4-layer model: the
+saved residuals drop from 162 to 62 tensors, temp bytes stay the same).
 
 The estimate is checked against XLA's own ``memory_analysis()`` of the compiled train step on CPU
 (tests/test_account.py): temp bytes = activations + grads + weight copies + loss buffers + transient,
