@@ -70,7 +70,8 @@ def matmul(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, dtype,
 def _chunk_rows(n_rows: int, vocab_rows: int, budget: int = 1 << 23) -> int:
     """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (32 MiB)."""
     rows = max(1, min(n_rows, budget // vocab_rows))
-    return n_rows if rows >= n_rows else rows
+    n_chunks = math.ceil(n_rows / rows)
+    return math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
 
 
 def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):

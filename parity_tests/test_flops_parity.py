@@ -282,10 +282,10 @@ def test_xla_dots_equal_analytic_and_remainder_is_explained(name, what):
 
 
 def test_fused_cross_entropy_chunks():
-    """jaxgpt's default loss (Policy.fast_kernels) is a lax.scan over row chunks of at most 2^23 / Vp rows,
-    the last chunk padded. Two consequences, both visible here on mini (256 tokens, Vp = 50304: 2 chunks of
-    166 rows): the lm_head's three matmuls run over 332 rows instead of 256 (the padded rows cost real
-    FLOPs), and XLA's cost_analysis counts a while-loop body once, so it *under*-counts the loss."""
+    """jaxgpt's default loss (Policy.fast_kernels) is a lax.scan over balanced row chunks of at most
+    2^23 / Vp rows, the last chunk padded to the same size (padded rows cost real FLOPs, fewer than one per
+    chunk; none here: mini has 256 tokens, Vp = 50304, 2 chunks of 128 rows); and XLA's cost_analysis counts
+    a while-loop body once, so it *under*-counts the loss."""
     from jaxgpt import ops
 
     name = "mini-padded"
