@@ -23,8 +23,9 @@ from jaxgpt.train import DEFAULT_CONFIG, TrainConfig, main, parse_args, read_met
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-TINY = ["--config", "configs/tiny-test.yaml"]
-RUN_ARGS = ["--max_steps=12", "--checkpoint_interval=3", "--eval_interval=4"]
+TINY = ["--config", str(REPO / "configs/tiny-test.yaml")]
+RUN_ARGS = ["--max_steps=12", "--checkpoint_interval=3", "--eval_interval=4",
+            f"--data_dir={REPO / 'data_cache' / 'shakespeare'}"]
 
 
 # ---- configuration and command line ---------------------------------------------------------------------
@@ -46,8 +47,8 @@ def test_cli_overrides_any_field():
     path, overrides, printing = parse_args(TINY + ["--optim.lr=3e-4", "--max_steps", "100", "--model.n_layer=3",
                                                    "--sample_prompt=to be or", "--sample_top_k=null",
                                                    "--dropout=0.1", "--resume=never"])
-    assert path == Path("configs/tiny-test.yaml") and not printing
-    cfg = TrainConfig.load(REPO / path, overrides)
+    assert path == REPO / "configs/tiny-test.yaml" and not printing
+    cfg = TrainConfig.load(path, overrides)
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # YAML alone reads 3e-4 as a string
     assert cfg.max_steps == 100 and cfg.sample_prompt == "to be or" and cfg.sample_top_k is None
     assert cfg.model.n_layer == 3 and cfg.model.n_embd == PRESETS["tiny"]["n_embd"]  # merged over the preset
@@ -178,27 +179,29 @@ def test_sigkill_then_resume_repeats_the_losses_bit_for_bit(tmp_path, reference_
     assert losses(out) == losses(ref_dir)  # train and val losses, every step, bit-identical
 
 
-def test_resume_must_without_checkpoint_and_mismatch(tmp_path, reference_run, run_env):
+def test_resume_must_without_checkpoint_and_mismatch(tmp_path, reference_run, capsys):
     ref_dir, _ = reference_run
-    proc = run(train_cmd(tmp_path / "empty", "--resume=must"), run_env)
-    assert proc.returncode == 2 and "resume: must" in proc.stderr and "Traceback" not in proc.stderr
+    assert main(TINY + [f"--out_dir={tmp_path / 'empty'}", *RUN_ARGS, "--resume=must"]) == 2
+    err = capsys.readouterr().err
+    assert "resume: must" in err and "no complete checkpoint" in err and "Traceback" not in err
     before = (ref_dir / "metrics.jsonl").read_text()
-    proc = run(train_cmd(ref_dir, "--model.n_embd=48"), run_env)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "model.n_embd: checkpoint has 32, requested 48" in proc.stderr
+    assert main(TINY + [f"--out_dir={ref_dir}", *RUN_ARGS, "--model.n_embd=48"]) == 2
+    err = capsys.readouterr().err
+    assert "model.n_embd: checkpoint has 32, requested 48" in err and "Traceback" not in err
     assert (ref_dir / "metrics.jsonl").read_text() == before  # nothing touched
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, run_env):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     out = tmp_path / "nan"
-    proc = run(train_cmd(out, "--optim.lr=1e9", "--optim.warmup_steps=0", "--optim.grad_clip=0",
-                         "--checkpoint_interval=1", "--eval_interval=0"), run_env)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr
+    code = main(TINY + [f"--out_dir={out}", *RUN_ARGS, "--optim.lr=1e9", "--optim.warmup_steps=0",
+                        "--optim.grad_clip=0", "--checkpoint_interval=1", "--eval_interval=0"])
+    err = capsys.readouterr().err
+    assert code == 3, err[-3000:]
+    assert "Traceback" not in err
     train = [r for r in read_metrics(out) if r["type"] == "train"]
     bad_step = len(train) + 1  # non-finite steps are not logged
-    assert f"step {bad_step}: loss nan" in proc.stderr or f"step {bad_step}: loss inf" in proc.stderr
-    assert f"last good checkpoint is step {bad_step - 1}" in proc.stderr
+    assert f"step {bad_step}: loss nan" in err or f"step {bad_step}: loss inf" in err
+    assert f"last good checkpoint is step {bad_step - 1}" in err
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert kept and max(kept) == bad_step - 1
     assert (out / "loss.png").exists()
