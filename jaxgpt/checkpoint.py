@@ -116,9 +116,9 @@ def check_compatible(saved: dict[str, Any], requested: dict[str, Any], *, where:
         problems.append(f"optim.name: checkpoint has {saved_opt!r}, requested {req_opt!r}")
     if problems:
         raise CheckpointMismatchError(
-            f"{where} was written for a different model than the one requested; mismatched fields:\n  "
-            + "\n  ".join(problems)
-            + "\nUse the checkpoint's settings, or start a fresh run (another out_dir, or resume: never)."
+            f"{where} was written for a different model or optimizer than the one requested; mismatched "
+            "fields:\n  " + "\n  ".join(problems)
+            + "\nUse the checkpoint's settings, or start a fresh run in another out_dir."
         )
 
 

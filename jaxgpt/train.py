@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -169,10 +170,10 @@ class TrainConfig:
 
 
 def _accepts(tp: Any, kind: type) -> bool:
-    if tp is kind:
-        return True
-    return any(_accepts(a, kind) for a in typing.get_args(tp)) if typing.get_origin(tp) in (
-        typing.Union, __import__("types").UnionType) else False
+    """Whether the annotation ``tp`` (possibly a union) admits ``kind``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_accepts(a, kind) for a in typing.get_args(tp))
+    return tp is kind
 
 
 def _coerce_numbers(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -260,14 +261,10 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
 
 
 # ---- helpers --------------------------------------------------------------------------------------------
-def count_params(params: Any, *, exclude_wpe: bool = False) -> int:
+def count_params(params: Any) -> int:
     import jax
 
-    total = sum(int(x.size) for x in jax.tree.leaves(params))
-    if exclude_wpe:
-        wpe = params["wpe"] if "wpe" in params else None
-        total -= sum(int(x.size) for x in jax.tree.leaves(wpe)) if wpe is not None else 0
-    return total
+    return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
 def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_steps: int) -> float:
@@ -302,10 +299,9 @@ class MetricsLog:
         if not enabled:
             return
         if truncate_after is not None and self.path.exists():  # resumed: drop what the killed run logged later
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after]
+            keep = [r for r in read_metrics(run_dir) if r.get("step", 0) <= truncate_after]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             tmp.replace(self.path)
         elif truncate_after is None and self.path.exists():
             self.path.unlink()
@@ -340,8 +336,15 @@ def _summary_writer(logdir: Path):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (a line torn by a killed process is skipped)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
 
 
 def plot_losses(run_dir: str | Path) -> Path | None:

@@ -229,3 +229,33 @@ def test_init_from_a_hugging_face_directory(tmp_path):
     with pytest.raises(ConfigError, match="seq_len = 65: must be <= the checkpoint's block_size"):
         build_model(TrainConfig.load(REPO / "configs/finetune-gpt2.yaml",
                                      {"init_from": str(tmp_path / "hf"), "seq_len": 65}), Policy.fp32())
+
+
+def test_metrics_log_tensorboard_when_importable_and_torn_lines(tmp_path, monkeypatch):
+    import types
+
+    from jaxgpt.train import MetricsLog
+
+    calls = []
+
+    class Writer:
+        def __init__(self, logdir):
+            calls.append(("init", logdir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", types.SimpleNamespace(SummaryWriter=Writer))
+    log = MetricsLog(tmp_path, tensorboard=True, truncate_after=None)
+    log.write({"type": "train", "step": 1, "loss": 2.5, "mfu": None})
+    log.write({"type": "eval", "step": 2, "val_loss": 2.0})
+    log.close()
+    assert calls == [("init", str(tmp_path / "tb")), ("train/loss", 2.5, 1), ("eval/val_loss", 2.0, 2), ("close",)]
+    # a process killed mid-write leaves a torn last line: resuming drops it with the later steps
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"type": "train", "step": 3, "lo')
+    MetricsLog(tmp_path, tensorboard=False, truncate_after=1).close()
+    assert read_metrics(tmp_path) == [{"type": "train", "step": 1, "loss": 2.5, "mfu": None}]
