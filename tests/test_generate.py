@@ -153,6 +153,27 @@ def test_padded_vocab_is_never_sampled(runs, model):
     assert many.max() < V
 
 
+def test_kth_largest_matches_lax_top_k():
+    """The top-k threshold (bisection on CPU) is lax.top_k's k-th value, ties, zeros, infs and denormals included."""
+    from jaxgpt.generate import _kth_largest_bisect, kth_largest
+
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(60, 37)) * 10).astype(np.float32)
+    x[:, 3] = x[:, 4]
+    x[::3] = np.round(x[::3])
+    x[::7] = 0.0
+    x[1::7, ::2] = -0.0
+    x[5, :] = -np.inf
+    x[5, 7] = 1.0
+    x[6, 3] = np.inf
+    x[8] = np.float32(1e-40) * rng.normal(size=37)
+    for k in (1, 4, 37):
+        want = np.asarray(jax.lax.top_k(x, k)[0][..., -1:])
+        np.testing.assert_array_equal(np.asarray(_kth_largest_bisect(jnp.asarray(x), k)), want)
+    np.testing.assert_array_equal(np.asarray(kth_largest(jnp.asarray(x), 4)),
+                                  np.asarray(jax.lax.top_k(x, 4)[0][..., -1:]))
+
+
 # ---- the cache and block_size cropping --------------------------------------------------------------------------
 def test_cached_equals_uncached_across_block_size(runs):
     np.testing.assert_array_equal(runs["greedy"], runs["greedy_uncached"])
