@@ -19,9 +19,10 @@ def test_quick_benchmark_ratio(tmp_path):
     out = "quick"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--quick", "--out", out], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "JAXGPT_BENCH_RESULTS": str(tmp_path)})
     print(proc.stdout[-4000:])
-    res = json.loads((ROOT / "benchmarks" / "results" / f"{out}.json").read_text())
+    assert (tmp_path / f"{out}.json").exists(), f"no result written:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    res = json.loads((tmp_path / f"{out}.json").read_text())
     rows = res["variants"]
     for v in ("jax_bf16", "torch_eager_bf16"):
         assert "error" not in rows[v], f"{v} failed:\n{rows[v].get('error')}\n{proc.stderr[-3000:]}"
