@@ -324,18 +324,19 @@ def load_model(init_from: str, *, policy: Policy, seed: int = 0, step: int | Non
     """A GPT from ``init_from``: ``random:PRESET`` (random init with ``seed``), a directory (a Hugging Face
     GPT-2 directory if it holds config.json or weights, else a jaxgpt training run directory, whose
     checkpoint ``step`` is loaded, default the latest), or a Hugging Face model name ("gpt2", ...)."""
+    path = Path(init_from)
+    is_run_dir = path.is_dir() and not _is_hf_dir(path)
+    if step is not None and not is_run_dir:
+        raise GenerateError(f"--step {step}: only a training run directory has steps; "
+                            f"--init-from {init_from!r} is not one")
     if init_from.startswith("random:"):
         preset = init_from.split(":", 1)[1]
         if preset not in PRESETS:
             raise GenerateError(f"--init-from {init_from!r}: unknown preset {preset!r}; "
                                 f"valid presets are {sorted(PRESETS)}")
         return GPT(GPTConfig.preset(preset), policy=policy, rngs=nnx.Rngs(seed))
-    path = Path(init_from)
-    if path.is_dir() and not _is_hf_dir(path):
+    if is_run_dir:
         return load_checkpoint(path, policy=policy, step=step)
-    if step is not None:
-        raise GenerateError(f"--step {step}: only a training run directory has steps; "
-                            f"--init-from {init_from!r} is not one")
     try:
         from jaxgpt.weights import from_hf
     except ImportError as e:
@@ -344,9 +345,9 @@ def load_model(init_from: str, *, policy: Policy, seed: int = 0, step: int | Non
     try:
         return from_hf(init_from, policy=policy)
     except (OSError, ValueError) as e:  # missing files, no network, not GPT-2, ...
-        hint = (f"; for a randomly initialised model use random:{init_from}"
+        hint = (f" (for a randomly initialised {init_from!r} model use --init-from random:{init_from})"
                 if init_from in PRESETS and not init_from.startswith("gpt2") else "")
-        raise GenerateError(f"--init-from {init_from!r}: could not load Hugging Face weights: {e}{hint}") from e
+        raise GenerateError(f"--init-from {init_from!r}: could not load Hugging Face weights{hint}: {e}") from e
 
 
 # ---- the command line ----------------------------------------------------------------------------------------

@@ -249,6 +249,7 @@ def test_cli_random_init(tiny_text_model, capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--init-from", "random:nope"], "unknown preset"),
     (["--init-from", "random:tiny", "--prompt", "x", "--seed", str(2**40)], "seed"),
+    (["--init-from", "random:tiny", "--step", "3"], "--step"),
 ])
 def test_cli_bad_values(argv, match, capsys):
     assert main(argv) == 2
