@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT
@@ -246,10 +245,9 @@ def test_untied_lm_head_is_refused(tmp_path, hf_state):
         from_hf(write_checkpoint(tmp_path / "untied-shape", tensors))
 
 
-def test_failed_load_leaves_model_unchanged(hf_state):
+def test_failed_load_leaves_model_unchanged(hf_dir, hf_state):
     """load_ref validates the whole state dict before touching a parameter."""
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    model = from_hf(hf_dir)
     before = params_to_ref(model)
     good = {k: v.copy() + 1.0 for k, v in expected_ref(hf_state).items()}  # differs from `before` everywhere
 
@@ -267,9 +265,9 @@ def test_failed_load_leaves_model_unchanged(hf_state):
     assert_params_equal(model, good)
 
 
-def test_torch_state_dict_round_trip():
-    cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, padded_vocab_size=50304)
-    model = GPT(cfg, rngs=nnx.Rngs(3))
+def test_torch_state_dict_round_trip(hf_dir):
+    model = from_hf(hf_dir, padded_vocab_size=50304)
+    cfg = model.config
     sd = to_torch_state_dict(model)
     assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in sd.values())
     assert sd["wte.weight"].shape == (50304, 32)  # torch_ref keeps the padded rows too
@@ -317,6 +315,7 @@ def test_from_hf_cache_in_process(tmp_path, monkeypatch, hf_dir, hf_state):
     assert "'someone/not-cached'" in msg and "not in the Hugging Face cache" in msg and "local directory" in msg
 
 
+@pytest.mark.slow  # a fresh interpreter importing jax, flax and torch: ~10 s of CPU
 def test_from_hf_cache_env_only_subprocess(tmp_path, hf_dir):
     """The user's route: only environment variables, set before huggingface_hub is imported."""
     cache = tmp_path / "hub"
@@ -368,7 +367,8 @@ def test_save_hf_is_atomic(tmp_path, monkeypatch, hf_dir):
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", broken_save)
-    other = GPT(model.config, rngs=nnx.Rngs(7))  # different weights: a successful save would change the files
+    # different weights: a successful save would change the files
+    other = load_ref(from_hf(hf_dir), {k: v * 2 for k, v in params_to_ref(model).items()})
     with pytest.raises(OSError, match="disk full"):
         save_hf(other, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous export is intact
