@@ -1,0 +1,150 @@
+"""Logits and loss parity: one Hugging Face GPT-2 checkpoint loaded three ways -- jaxgpt
+(``jaxgpt.weights.from_hf``), torch_ref (``torch_ref.load.from_hf``) and ``transformers.GPT2LMHeadModel``
+(``from_pretrained``, the independent oracle) -- compared pairwise in fp32, for both of jaxgpt's attention
+paths; then bf16 compute (jaxgpt's Policy.bf16(), torch_ref under torch.autocast) against the fp32 oracle.
+
+Measured numbers are printed (``pytest -s``), recorded as test properties, and written to the JSON file
+named by $JAXGPT_PARITY_REPORT (see ``parity_report`` in conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from conftest import CHECKPOINTS, PEAKED_WTE_SCALE, on_device, random_tokens
+from jaxgpt.model import cross_entropy
+from jaxgpt.precision import Policy
+from jaxgpt.weights import from_hf
+from tolerances import BF16_MEAN_KL, BF16_TOP1, LOGITS_FP32_GPT2, LOGITS_FP32_TINY, LOSS_FP32_REL
+
+LOGITS_FP32 = {"tiny": LOGITS_FP32_TINY, "odd": LOGITS_FP32_TINY, "gpt2": LOGITS_FP32_GPT2}
+BATCH = {"tiny": 2, "odd": 2, "gpt2": 2}  # fp32; bf16 uses BF16_BATCH for a finer top-1 fraction
+BF16_BATCH = 4
+
+
+def _checkpoint_params(names, slow=()):
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
+
+
+def _jax_logits_and_loss(model, tokens: np.ndarray):
+    """Logits of the full sequence and the next-token loss, jitted (one compile per model structure)."""
+    import jax.numpy as jnp
+
+    @nnx.jit
+    def run(model, idx):
+        return model(idx), model.loss(idx[:, :-1], idx[:, 1:])
+
+    logits, loss = run(model, jnp.asarray(tokens, dtype=jnp.int32))
+    return np.asarray(logits), float(loss)
+
+
+class _Oracles:
+    """transformers and torch_ref fp32 logits/losses per (checkpoint, device, wte_scale), computed once."""
+
+    def __init__(self, hf_checkpoint):
+        self.hf_checkpoint = hf_checkpoint
+        self.cache = {}
+
+    def get(self, name: str, device: str, wte_scale: float = 1.0, batch: int | None = None):
+        key = (name, device, wte_scale, batch)
+        if key not in self.cache:
+            from transformers import GPT2LMHeadModel
+
+            import torch_ref.load
+
+            directory, _ = self.hf_checkpoint(name, wte_scale)
+            _, seq = CHECKPOINTS[name]
+            tokens = random_tokens(batch or BATCH[name], seq, seed=1)
+            t = torch.from_numpy(tokens).to(device)
+            hf = GPT2LMHeadModel.from_pretrained(directory, attn_implementation="eager").to(device).eval()
+            ref = torch_ref.load.from_hf(directory).to(device)
+            with torch.no_grad():
+                out = hf(t, labels=t)  # transformers shifts the labels itself
+                hf_logits, hf_loss = out.logits.float().cpu().numpy(), float(out.loss)
+                ref_logits = ref(t)[0].cpu().numpy()
+                ref_loss = float(ref(t[:, :-1], t[:, 1:])[1])
+            self.cache[key] = dict(directory=directory, tokens=tokens, hf=hf_logits, hf_loss=hf_loss,
+                                   ref=ref_logits, ref_loss=ref_loss, ref_model=ref)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def oracles(hf_checkpoint):
+    return _Oracles(hf_checkpoint)
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+# ---- fp32 ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,attention", [
+    pytest.param(name, attention, marks=[pytest.mark.slow] if (name, attention) == ("gpt2", "reference") else [])
+    for name in CHECKPOINTS for attention in ("xla", "reference")])  # gpt2 in the default run: the xla path
+def test_fp32_logits_and_loss(name, attention, device, oracles, parity_report):
+    o = oracles.get(name, device)
+    with on_device(device):
+        model = from_hf(o["directory"], policy=Policy.fp32(attention=attention, matmul_precision="highest"))
+        jax_logits, jax_loss = _jax_logits_and_loss(model, o["tokens"])
+        # the loss through the plain (unfused) cross-entropy of the logits, too
+        plain_loss = float(cross_entropy(jax_logits[:, :-1], o["tokens"][:, 1:]))
+    vocab = model.config.vocab_size
+    assert jax_logits.shape == o["hf"].shape == o["ref"].shape == (*o["tokens"].shape, vocab)
+
+    diffs = {"jax-hf": _max_abs(jax_logits, o["hf"]), "torch_ref-hf": _max_abs(o["ref"], o["hf"]),
+             "jax-torch_ref": _max_abs(jax_logits, o["ref"])}
+    losses = {"loss_rel_jax-hf": _rel(jax_loss, o["hf_loss"]), "loss_rel_torch_ref-hf": _rel(o["ref_loss"], o["hf_loss"]),
+              "loss_rel_jax-torch_ref": _rel(jax_loss, o["ref_loss"]),
+              "loss_rel_jax_plain-hf": _rel(plain_loss, o["hf_loss"])}
+    parity_report(f"fp32/{name}/{device}/{attention}", **diffs, **losses, hf_loss=o["hf_loss"],
+                  logits_std=float(o["hf"].std()))
+    tol = LOGITS_FP32[name]
+    for pair, d in diffs.items():
+        assert d <= tol, f"{name} {attention}: max |logits {pair}| = {d:.3g} > {tol:g}"
+    for pair, r in losses.items():
+        assert r <= LOSS_FP32_REL, f"{name} {attention}: {pair} = {r:.3g} > {LOSS_FP32_REL:g}"
+
+
+# ---- bf16 compute against the fp32 oracle ---------------------------------------------------------------
+def _log_softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def bf16_metrics(fp32_logits: np.ndarray, bf16_logits: np.ndarray) -> dict[str, float]:
+    """Mean per-token KL(p_fp32 || p_bf16) in nats, top-1 agreement, and the max logit difference."""
+    lp, lq = _log_softmax64(fp32_logits), _log_softmax64(bf16_logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    top1 = (fp32_logits.argmax(-1) == bf16_logits.argmax(-1)).mean()
+    return dict(mean_kl=float(kl.mean()), top1=float(top1), max_abs=_max_abs(fp32_logits, bf16_logits))
+
+
+@pytest.mark.parametrize("name", _checkpoint_params(list(CHECKPOINTS), slow=("gpt2",)))
+def test_bf16_against_fp32(name, device, oracles, parity_report):
+    """bf16 matmul operands (fp32 accumulation, everything else fp32) must keep the next-token distribution:
+    KL to the fp32 oracle and top-1 agreement. On a checkpoint with a decided argmax: see PEAKED_WTE_SCALE."""
+    o = oracles.get(name, device, PEAKED_WTE_SCALE, batch=BF16_BATCH)
+    s = np.sort(o["hf"], axis=-1)
+    gap = float(np.median(s[..., -1] - s[..., -2]))
+
+    with on_device(device):
+        model = from_hf(o["directory"], policy=Policy.bf16())
+        jax_logits, _ = _jax_logits_and_loss(model, o["tokens"])
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
+        ref_logits = o["ref_model"](torch.from_numpy(o["tokens"]).to(device))[0].float().cpu().numpy()
+
+    results = {"jaxgpt": bf16_metrics(o["hf"], jax_logits), "torch_ref_autocast": bf16_metrics(o["hf"], ref_logits)}
+    for impl, m in results.items():
+        parity_report(f"bf16/{name}/{device}/{impl}", **m, fp32_median_top_gap=gap, positions=o["tokens"].size)
+    for impl, m in results.items():
+        assert m["mean_kl"] <= BF16_MEAN_KL, f"{name} {impl}: mean KL {m['mean_kl']:.3g} > {BF16_MEAN_KL:g}"
+        assert m["top1"] >= BF16_TOP1, f"{name} {impl}: top-1 agreement {m['top1']:.4f} < {BF16_TOP1}"
