@@ -1,0 +1,124 @@
+"""Plain PyTorch training for torch_ref: the oracle for ``jaxgpt.optim`` + ``jaxgpt.step``.
+
+build-nanogpt's loop: per step, set the lr from the warmup + cosine schedule, accumulate gradients over the
+micro-steps (each micro-loss divided by their count), clip the global norm, ``optimizer.step()``.
+
+Each ``OptimConfig.name`` maps to the torch.optim class configured to the *same update rule* as jaxgpt's optax
+chain (the table in ``jaxgpt/optim.py`` lists the rules and where the two libraries' defaults differ):
+
+=========  ==========================================================================================
+adamw      ``AdamW(betas=(beta1, beta2), eps, weight_decay)`` -- decoupled decay, as optax.adamw
+adam       ``Adam(betas, eps, weight_decay)`` -- torch's decay is coupled L2 (g += wd * p); jaxgpt puts
+           ``optax.add_decayed_weights`` before ``optax.adam`` to match
+sgd        ``SGD(momentum, dampening=0, nesterov, weight_decay)`` -- the buffer b = m*b + g is optax's
+           trace; decay is coupled L2 in both
+adagrad    ``Adagrad(initial_accumulator_value = init + eps, eps = 0, lr_decay = 0)`` -- optax divides by
+           sqrt(a + eps), torch by sqrt(a) + eps: folding eps into the accumulator's start value and
+           setting torch's eps to 0 gives optax's rule exactly
+rmsprop    ``RMSprop(alpha, eps, momentum=0, centered=False)`` -- eps outside the sqrt; jaxgpt passes
+           ``eps_in_sqrt=False`` to optax.rmsprop
+=========  ==========================================================================================
+
+Weight decay applies to the >= 2-D parameters only (Linear weights, wte, wpe), through two param groups.
+The config object is duck-typed (any object with ``OptimConfig``'s fields), so this module needs no JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from jaxgpt.optim import OptimConfig
+
+
+def get_lr(cfg: "OptimConfig", step: int) -> float:
+    """build-nanogpt's ``get_lr``, written out independently of jaxgpt's schedule."""
+    max_lr, min_lr = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return max_lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return max_lr
+    if step > cfg.decay_steps:
+        return min_lr
+    decay_ratio = (step - cfg.warmup_steps) / (cfg.decay_steps - cfg.warmup_steps)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (max_lr - min_lr)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two groups: >= 2-D params (decayed) and the rest (biases, LayerNorm weights; not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(model: torch.nn.Module, cfg: "OptimConfig") -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    lr = get_lr(cfg, 0)
+    plain = dict(foreach=False)  # the simple per-tensor loops (fused/foreach would change nothing numerically)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=False, **plain)
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=False, **plain)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, dampening=0.0, nesterov=cfg.nesterov,
+                               **plain)
+    if cfg.name == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr, lr_decay=0.0, eps=0.0,
+                                   initial_accumulator_value=cfg.adagrad_initial_accumulator + cfg.eps, **plain)
+    if cfg.name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, alpha=cfg.rmsprop_alpha, eps=cfg.eps, momentum=0.0,
+                                   centered=False, **plain)
+    raise ValueError(f"optimizer name = {cfg.name!r}: allowed values are adamw, adam, sgd, adagrad, rmsprop")
+
+
+def accumulate_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Backward over the micro-steps of ``x, y: (micro_steps, micro_batch, seq)``, leaving the mean of the
+    micro-batch gradients in ``.grad`` (grads must be zeroed first); returns the mean loss."""
+    micro_steps = x.shape[0]
+    loss_accum = 0.0
+    for i in range(micro_steps):
+        _, loss = model(x[i], y[i])
+        loss = loss / micro_steps  # so the summed grads are the mean over micro-steps
+        loss_accum += loss.detach()
+        loss.backward()
+    return float(loss_accum)
+
+
+def train_steps(model: torch.nn.Module, batches: Iterable[tuple[Any, Any]], cfg: "OptimConfig", *,
+                optimizer: torch.optim.Optimizer | None = None, start_step: int = 0) -> list[float]:
+    """Train ``model`` in place, one optimizer step per ``(x, y)`` batch shaped (micro_steps, micro_batch,
+    seq); returns each step's mean loss. To continue a run pass its ``optimizer`` (from
+    :func:`make_optimizer`) and the number of steps already taken as ``start_step``."""
+    device = next(model.parameters()).device
+    optimizer = optimizer or make_optimizer(model, cfg)
+    model.train()
+    losses = []
+    for step, (x, y) in enumerate(batches, start=start_step):
+        x = torch.as_tensor(x, dtype=torch.long, device=device)
+        y = torch.as_tensor(y, dtype=torch.long, device=device)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(accumulate_grads(model, x, y))
+        update(model, optimizer, cfg, step)
+    return losses
+
+
+def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: "OptimConfig", step: int) -> float:
+    """One optimizer update from the gradients in ``.grad``: the lr of ``step`` (counted from 0), global-norm
+    clipping, ``optimizer.step()``. Returns the gradient norm before clipping."""
+    lr = get_lr(cfg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    params = [p for p in model.parameters() if p.grad is not None]
+    if cfg.grad_clip > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    optimizer.step()
+    return float(norm)
