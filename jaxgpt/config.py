@@ -58,6 +58,11 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{cls_name}.{name} = {value!r}: expected an integer")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "6e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{cls_name}.{name} = {value!r}: expected a number")
         return float(value)

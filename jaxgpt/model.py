@@ -139,8 +139,8 @@ class LayerNorm(nnx.Module):
         x = x.astype(jnp.float32)
         mean = x.mean(axis=-1, keepdims=True)
         var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale.value
-        return y + self.bias.value if self.bias is not None else y
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
+        return y + self.bias[...] if self.bias is not None else y
 
 
 class Linear(nnx.Module):
@@ -152,8 +152,8 @@ class Linear(nnx.Module):
         self.policy = policy
 
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
-        y = self.policy.matmul(x, self.kernel.value)  # fp32 accumulation
-        return y + self.bias.value if self.bias is not None else y
+        y = self.policy.matmul(x, self.kernel[...])  # fp32 accumulation
+        return y + self.bias[...] if self.bias is not None else y
 
 
 class CausalSelfAttention(nnx.Module):
@@ -170,19 +170,20 @@ class CausalSelfAttention(nnx.Module):
         self,
         x: Float[Array, "batch seq embed"],
         *,
-        cache: tuple[Array, Array] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
         pos: Int[Array, ""] | int = 0,
         dropout_key: jax.Array | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], tuple[Array, Array] | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
         attn_key, resid_key = _split(dropout_key, 2)
         qkv = self.c_attn(x)  # (B, T, 3C)
         q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=self.n_head)
         mask = None
-        if cache is not None:  # write this step's keys/values at [pos, pos+T), attend to [0, pos+t]
-            k_cache, v_cache = cache
-            k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, pos, 0, 0))
-            v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, pos, 0, 0))
-            cache = (k, v)
+        if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place
+            at = (layer, 0, pos, 0, 0)
+            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], at),
+                            jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], at))
+            k, v = cache.k[layer], cache.v[layer]  # attend to [0, pos+t]
             T, S = q.shape[1], k.shape[1]
             mask = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
         y = attention(q, k, v, policy=self.policy, mask=mask, dropout_rate=self.dropout,
@@ -212,9 +213,9 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps)
         self.mlp = MLP(config, policy=policy, rngs=rngs)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, pos=0, dropout_key=None):
+    def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
         attn_key, mlp_key = _split(dropout_key, 2)
-        a, cache = self.attn(self.ln_1(x), cache=cache, pos=pos, dropout_key=attn_key)
+        a, cache = self.attn(self.ln_1(x), cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
         x = x + a  # the residual stream stays fp32
         x = x + self.mlp(self.ln_2(x), dropout_key=mlp_key)
         return x, cache
@@ -251,19 +252,13 @@ class GPT(nnx.Module):
         positions = pos + jnp.arange(T)
         x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
         x = dropout(x, self.config.dropout, keys[-1])
-        new_k, new_v = [], []
         for i, block in enumerate(self.h):
-            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, layer_cache = block(x, cache=layer_cache, pos=pos, dropout_key=keys[i])
-            if cache is not None:
-                new_k.append(layer_cache[0])
-                new_v.append(layer_cache[1])
-        cache = None if cache is None else KVCache(jnp.stack(new_k), jnp.stack(new_v))
+            x, cache = block(x, cache=cache, layer=i, pos=pos, dropout_key=keys[i])
         return self.ln_f(x), cache
 
     def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped)."""
-        return self.policy.einsum("btc,vc->btv", h, self.wte.embedding.value)[..., : self.config.vocab_size]
+        return self.policy.einsum("btc,vc->btv", h, self.wte.embedding[...])[..., : self.config.vocab_size]
 
     def __call__(self, idx: Int[Array, "batch seq"], *, dropout_key=None) -> Float[Array, "batch seq vocab"]:
         h, _ = self.hidden(idx, dropout_key=dropout_key)
@@ -275,7 +270,7 @@ class GPT(nnx.Module):
         check_tokens(targets, self.config, name="targets")  # never gathered out of range or wrapped
         h, _ = self.hidden(idx, dropout_key=dropout_key)
         if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
-            return ops.lm_head_cross_entropy(h, self.wte.embedding.value, targets,
+            return ops.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
                                              vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
                                              precision=self.policy.lax_precision)
         return cross_entropy(self.logits(h), targets)

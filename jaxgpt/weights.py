@@ -210,14 +210,14 @@ def _ref_key(path: tuple) -> str:
 def params_to_ref(model_or_params: GPT | nnx.State) -> dict[str, np.ndarray]:
     """jaxgpt params -> numpy arrays keyed like torch_ref's state_dict (wte keeps its padded rows)."""
     state = nnx.state(model_or_params, nnx.Param) if isinstance(model_or_params, nnx.Module) else model_or_params
-    return {_ref_key(path): np.asarray(var.value) for path, var in nnx.to_flat_state(state)}
+    return {_ref_key(path): np.asarray(var.get_value()) for path, var in nnx.to_flat_state(state)}
 
 
 def load_ref(model: GPT, ref: Mapping[str, Any], *, source: str = "state dict") -> GPT:
     """Copy a torch_ref-named state dict into ``model`` (validated whole before any parameter changes)."""
     state = nnx.state(model, nnx.Param)
     flat = list(nnx.to_flat_state(state))
-    want = {_ref_key(p): tuple(v.value.shape) for p, v in flat}
+    want = {_ref_key(p): tuple(v.get_value().shape) for p, v in flat}
     arrays = {k: np.asarray(v.detach().cpu().float().numpy() if hasattr(v, "detach") else v) for k, v in ref.items()}
     missing = sorted(set(want) - set(arrays))
     unexpected = sorted(set(arrays) - set(want))
@@ -228,7 +228,7 @@ def load_ref(model: GPT, ref: Mapping[str, Any], *, source: str = "state dict") 
                               f"vocab rows {model.config.vocab_rows}): missing {_abbrev(missing)}, unexpected "
                               f"{_abbrev(unexpected)}, mis-shaped {_abbrev(misshaped)}")
     for path, var in flat:
-        var.value = jnp.asarray(arrays[_ref_key(path)], dtype=jnp.float32)
+        var.set_value(jnp.asarray(arrays[_ref_key(path)], dtype=jnp.float32))
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 
