@@ -10,7 +10,7 @@ gradient, ``p`` a parameter, ``wd`` the weight decay on the decay set: >= 2-D pa
 ========  ==========================================  =========================================================
 name      rule (optax, as built here)                 torch.optim counterpart
 ========  ==========================================  =========================================================
-adamw     Adam moments of g; p -= lr * (m_hat /        ``AdamW(betas, eps, weight_decay=wd)``: decoupled decay
+adamw     Adam moments of g; p -= lr * (m_hat /       ``AdamW(betas, eps, weight_decay=wd)``: decoupled decay
           (sqrt(v_hat) + eps) + wd * p)               p *= 1 - lr * wd, the same rule
 adam      g += wd * p (coupled L2), then Adam         ``Adam(weight_decay=wd)``: torch's Adam decay is L2
 sgd       g += wd * p; b = momentum * b + g;          ``SGD(momentum, dampening=0, nesterov)``; torch's
@@ -26,9 +26,9 @@ Where optax and torch differ *by default* (each is pinned above to one rule):
 ==========================  ======================================  ==============================================
 setting                     optax                                   torch.optim
 ==========================  ======================================  ==============================================
-Adam/AdamW betas            b2 = 0.999                              betas = (0.9, 0.999) (GPT-2 uses 0.95: set)
+Adam/AdamW betas, eps       (0.9, 0.999), 1e-8: the same            (0.9, 0.999), 1e-8 (GPT-2 uses b2 0.95: set)
 AdamW weight decay          1e-4, on every param unless ``mask``    1e-2, on every param unless param groups
-Adam / SGD / Adagrad /      no decay; decay is a separate            ``weight_decay`` = coupled L2 (added to the
+Adam / SGD / Adagrad /      no decay; decay is a separate           ``weight_decay`` = coupled L2 (added to the
 RMSprop weight decay        ``add_decayed_weights`` transform       gradient before the update), default 0
                             placed wherever the chain puts it
 SGD momentum                ``optax.sgd(momentum=None)``: off;      momentum=0: off; buffer b = m*b + (1-d)*g

@@ -5,11 +5,13 @@ Inside one ``jit`` a ``lax.scan`` runs the micro-steps, summing fp32 gradients a
 ``micro_steps``: every micro-batch has the same number of tokens and the loss is a per-token mean, so the
 mean of the micro-batch gradients is the gradient of the whole batch's mean loss.
 
-Data parallelism is sharding, not code: a ``Mesh`` over ``jax.devices()`` with one ``'data'`` axis; the
-params and optimizer state are replicated, the batch is split along its ``micro_batch`` axis, and XLA's
-SPMD partitioner inserts the gradient all-reduce. One device is the same code path with a mesh of one.
-Dropout masks come from ``jax.random`` with partitionable threefry (JAX's default), so they do not depend on
-how the batch is sharded: a 4-device run and a 1-device run compute the same numbers (up to summation order).
+Data parallelism: a ``Mesh`` over ``jax.devices()`` with one ``'data'`` axis; the params and optimizer state
+are replicated (``NamedSharding(mesh, P())``), the batch is split along its ``micro_batch`` axis
+(``P(None, 'data', None)``). Inside the step a ``shard_map`` runs the micro-step loop on each device's rows
+and averages loss and gradients with one ``pmean`` per optimizer step; the optimizer update then runs
+replicated. One device is the same code path with a mesh of one. Without dropout a 4-device run and a
+1-device run compute the same numbers up to summation order; with dropout each device draws its own masks
+(the step key folded with the device index), so the masks, not the rule, depend on the device count.
 """
 
 from __future__ import annotations
@@ -189,12 +191,24 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         raise ValueError(f"micro_steps = {micro_steps!r}: must be an integer >= 1")
     mesh = mesh or data_mesh()
     repl, batch = replicated(mesh), batch_sharding(mesh, 3)
+    rows = P(None, DATA_AXIS, None)
+
+    def local_grads(params, x, y, key):
+        """On each device: its rows of every micro-batch, all micro-steps, then one mean over devices."""
+        if dropout:  # independent masks per device (the same key would repeat one mask on every device)
+            key = jax.random.fold_in(key, jax.lax.axis_index(DATA_AXIS))
+        loss, grads = grads_fn(graphdef, params, x, y, key, dropout=dropout)
+        return jax.lax.pmean((loss, grads), DATA_AXIS)  # equal shards: mean of means == global mean
+
+    # shard_map, not sharding propagation: left to itself, XLA all-reduces the gradients inside the
+    # micro-step loop (once per micro-step); here each device accumulates locally and there is one
+    # all-reduce per optimizer step. check_vma=False: gradients w.r.t. the replicated params stay local
+    # (no implicit psum) until the explicit pmean.
+    sharded_grads = jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), rows, rows, P()),
+                                  out_specs=(P(), P()), check_vma=False)
 
     def step(state: TrainState, x, y, key):
-        x = jax.lax.with_sharding_constraint(x, batch)
-        y = jax.lax.with_sharding_constraint(y, batch)
-        loss, grads = grads_fn(graphdef, state.params, x, y, key, dropout=dropout)
-        grads = jax.lax.with_sharding_constraint(grads, repl)
+        loss, grads = sharded_grads(state.params, x, y, key)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

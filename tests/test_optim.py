@@ -62,8 +62,12 @@ DECAYED = {"wte.embedding", "wpe.embedding"} | {
 
 @pytest.fixture(scope="module")
 def tiny():
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))), nnx.Param)
-    params = jax.jit(lambda: nnx.state(GPT(CFG, rngs=nnx.Rngs(0)), nnx.Param))()  # one compile, not eager ops
+    """The tiny GPT's graph and GPT-2-like parameters drawn in numpy (no eager JAX ops, no init compile)."""
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    for path, var in nnx.to_flat_state(params):
+        shape, name = var.get_value().shape, path[-1]
+        var.set_value(jnp.asarray(rng.normal(0.0, 0.02, shape) + (name == "scale"), jnp.float32))
     return graphdef, params
 
 
