@@ -166,7 +166,9 @@ def markdown(res: dict) -> str:
              f"GLIBC_TUNABLES={res['env'].get('GLIBC_TUNABLES')}.", "",
              f"Dots in the optimized HLO: {len(dots)}; by operand dtypes: "
              + ", ".join(f"{k}: {v}" for k, v in by.most_common()) + ".",
-             f"fp32 x fp32 dots: {len(f32)} carrying {100 * sum(d['flops'] for d in f32) / total:.0f}% of dot FLOPs.", "",
+             f"fp32 x fp32 dots: {len(f32)}, {sum(d['flops'] for d in f32) / 1e9:.1f} GFLOP "
+             f"({100 * sum(d['flops'] for d in f32) / total:.0f}% of the static dot FLOPs: a dot inside a loop, "
+             "e.g. the chunked loss, is counted once here, so compare with the analytic per-step count).", "",
              "| dot | out | operands | GFLOP | source op |", "|---|---|---|---:|---|"]
     for d in sorted(dots, key=lambda d: -d["flops"]):
         flag = " **fp32xfp32**" if d in f32 else ""

@@ -81,6 +81,18 @@ def write(path: Path | None = None) -> Path:
             else common.RESULTS / "BENCHMARKS.md"
     train = {f"{s}-{a}": r for s, a in TRAIN_FILES if (r := _load(f"train_step-{s}-{a}"))}
     gen, data = _load("generate"), _load("data_loader")
+    if gen:  # variants measured in separate invocations (generate --out generate-<name>) join the table
+        for extra in sorted(common.RESULTS.glob("generate-*.json")):
+            more = json.loads(extra.read_text())
+            gen["rows"].update(more["rows"])
+            gen.setdefault("extra_runs", []).append({k: more[k] for k in ("command", "started", "loadavg_start",
+                                                                           "loadavg_end", "rounds", "repeats")})
+        for n in gen["prompt_counts"]:
+            hf = [r["tokens_per_s"]["median"] for k, r in gen["rows"].items()
+                  if k.startswith("hf_") and k.endswith(f"@{n}") and "error" not in r]
+            for k, r in gen["rows"].items():
+                if k.endswith(f"@{n}") and "error" not in r and hf:
+                    r["vs_fastest_hf"] = r["tokens_per_s"]["median"] / max(hf)
     any_res = next(iter(train.values()), None) or gen
     if any_res is None:
         raise SystemExit("no results under benchmarks/results/: run python -m benchmarks.run_all first")
@@ -146,7 +158,9 @@ def write(path: Path | None = None) -> Path:
         out += ["## Generation (KV cache)", "", generate.markdown(gen), "",
                 "torch_ref has no KV cache (nanoGPT's plain generate recomputes the whole context for every token); "
                 "it is listed for reference, not as a like-for-like competitor.", "",
-                f"Command: `{gen['command']}`", ""]
+                f"Command: `{gen['command']}`"
+                + "".join(f"; plus `{e['command']}` ({e['started']}, load avg {e['loadavg_start'][0]:.2f} -> "
+                          f"{e['loadavg_end'][0]:.2f})" for e in gen.get("extra_runs", [])), ""]
     if data:
         out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
     dirty = sorted({f for r in [*train.values(), gen] if r for f in r.get("uncommitted_library_files", [])})
