@@ -209,7 +209,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     def step(state: TrainState, x, y, key):
         loss, grads = sharded_grads(state.params, x, y, key)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         lr = current_lr(opt_state)
