@@ -52,16 +52,17 @@ def get_lr(cfg: "OptimConfig", step: int) -> float:
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two groups: >= 2-D params (decayed) and the rest (biases, LayerNorm weights; not decayed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    return [g for g in groups if g["params"]]
 
 
 def make_optimizer(model: torch.nn.Module, cfg: "OptimConfig") -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     lr = get_lr(cfg, 0)
-    plain = dict(foreach=False)  # the simple per-tensor loops (fused/foreach would change nothing numerically)
+    plain = dict(foreach=False)  # the plain per-tensor loops: the code that reads like the formulas above
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=False, **plain)
     if cfg.name == "adam":
