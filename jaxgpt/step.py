@@ -5,13 +5,20 @@ Inside one ``jit`` a ``lax.scan`` runs the micro-steps, summing fp32 gradients a
 ``micro_steps``: every micro-batch has the same number of tokens and the loss is a per-token mean, so the
 mean of the micro-batch gradients is the gradient of the whole batch's mean loss.
 
-Data parallelism: a ``Mesh`` over ``jax.devices()`` with one ``'data'`` axis; the params and optimizer state
-are replicated (``NamedSharding(mesh, P())``), the batch is split along its ``micro_batch`` axis
-(``P(None, 'data', None)``). Inside the step a ``shard_map`` runs the micro-step loop on each device's rows
-and averages loss and gradients with one ``pmean`` per optimizer step; the optimizer update then runs
-replicated. One device is the same code path with a mesh of one. Without dropout a 4-device run and a
-1-device run compute the same numbers up to summation order; with dropout each device draws its own masks
-(the step key folded with the device index), so the masks, not the rule, depend on the device count.
+Data parallelism and FSDP: a ``Mesh`` over ``jax.devices()``, either the 1-D ``'data'`` mesh of
+:func:`data_mesh` or a ``('data', 'fsdp')`` mesh from :mod:`jaxgpt.mesh` (where every sharding rule lives).
+The batch is split along its ``micro_batch`` axis over every device (``P(None, ('data', 'fsdp'), None)``);
+the params and optimizer state are replicated over ``'data'`` and, with an ``fsdp`` axis larger than one,
+each >= 2-D param and its optimizer moments are sharded over ``'fsdp'`` (:func:`jaxgpt.mesh.state_shardings`).
+Inside the step a ``shard_map`` runs the micro-step loop on each device's rows: FSDP-sharded weights are
+all-gathered inside every micro-step's loss (so their gradients come back reduce-scattered: the transpose
+of the all-gather) and accumulate sharded; then one mean over devices per optimizer step
+(:func:`jaxgpt.mesh.mean_grads`), and the optimizer update runs on the (sharded) state. One device is the
+same code path with a mesh of one. Without dropout an N-device run and a 1-device run compute the same
+numbers up to summation order; with dropout each device draws its own masks (the step key folded with the
+device index), so the masks, not the rule, depend on the device count. With several processes each one
+passes its own rows of the batch; the step assembles the global batch with
+``jax.make_array_from_process_local_data``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgpt import mesh as mesh_lib
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.optim import current_lr
@@ -50,22 +58,14 @@ def data_mesh(devices: list[jax.Device] | None = None) -> Mesh:
     return Mesh(np.array(devices), (DATA_AXIS,))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def batch_sharding(mesh: Mesh, ndim: int = 3) -> NamedSharding:
-    """Shard the batch axis: axis 1 of ``(micro_steps, micro_batch, seq)``, axis 0 of ``(batch, seq)``."""
-    if ndim == 3:
-        return NamedSharding(mesh, P(None, DATA_AXIS, None))
-    if ndim == 2:
-        return NamedSharding(mesh, P(DATA_AXIS, None))
-    raise ValueError(f"batch arrays have 2 or 3 axes, got {ndim}")
+replicated = mesh_lib.replicated
+batch_sharding = mesh_lib.batch_sharding  # the batch axis split over every device of the mesh
 
 
 def shard_state(state: Any, mesh: Mesh | None = None) -> Any:
-    """Replicate a pytree (a TrainState, params) over ``mesh`` (a no-op for arrays already placed so)."""
-    return jax.device_put(state, replicated(mesh or data_mesh()))
+    """Place a pytree (a TrainState, params) over ``mesh`` by :func:`jaxgpt.mesh.state_shardings`:
+    replicated, or sharded over ``'fsdp'`` (a no-op for arrays already placed so)."""
+    return mesh_lib.shard(state, mesh or data_mesh())
 
 
 def _check_batch_shape(x, y, mesh: Mesh, *, ndim: int) -> None:
@@ -80,10 +80,18 @@ def _check_batch_shape(x, y, mesh: Mesh, *, ndim: int) -> None:
         raise TokenError(f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}")
     n = mesh.devices.size
     rows = x.shape[ndim - 2]
-    if rows % n:
-        axis = "micro_batch" if ndim == 3 else "batch"
+    axis = "micro_batch" if ndim == 3 else "batch"
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:  # already a global batch (several processes)
+        if rows % n:
+            raise TokenError(f"{axis} = {rows} must be divisible by the number of devices in the mesh ({n})")
+        return
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    if local == n and rows % n:
         raise TokenError(f"{axis} = {rows} must be divisible by the number of devices in the mesh ({n}); "
                          f"use a multiple of {n}")
+    if rows % max(local, 1):
+        raise TokenError(f"{axis} = {rows} (this process's rows of the batch) must be divisible by the number "
+                         f"of this process's devices in the mesh ({local}); use a multiple of {local}")
 
 
 def check_batch(x, y, config: GPTConfig, *, mesh: Mesh | None = None) -> None:
@@ -104,8 +112,10 @@ def check_batch(x, y, config: GPTConfig, *, mesh: Mesh | None = None) -> None:
 def init_train_state(model: GPT, optimizer: optax.GradientTransformation, *, mesh: Mesh | None = None
                      ) -> tuple[nnx.GraphDef, TrainState]:
     """Split ``model`` into its graph definition and fp32 params, initialise the optimizer state, and
-    replicate the result over ``mesh`` (default: all devices). The state holds copies of the model's
-    parameters: training never touches ``model`` (``nnx.merge(graphdef, state.params)`` gives the trained one).
+    place the result over ``mesh`` (default: all devices, data parallel) by
+    :func:`jaxgpt.mesh.state_shardings`. The state holds copies of the model's parameters: training never
+    touches ``model`` (``nnx.merge(graphdef, state.params)`` gives the trained one). With several processes
+    every one passes the same ``model`` (the same seed or weights).
     """
     try:
         graphdef, params = nnx.split(model, nnx.Param)
@@ -116,15 +126,17 @@ def init_train_state(model: GPT, optimizer: optax.GradientTransformation, *, mes
            if v.dtype != jnp.float32]
     if bad:
         raise ValueError(f"parameters must be float32 (the policy's param_dtype); not: {bad[:5]}")
-    # One jitted init: fresh, replicated buffers (the state never aliases the model's arrays, so donating
+    # One jitted init: fresh, placed buffers (the state never aliases the model's arrays, so donating
     # it in the train step leaves ``model`` usable) and no eager op-by-op initialisation.
-    return graphdef, _init_state(optimizer, replicated(mesh or data_mesh()), params)
+    mesh = mesh or data_mesh()
+    # Placed first, so the jit runs on the mesh (with several processes each keeps its own shards).
+    return graphdef, _init_state(optimizer, mesh, mesh_lib.shard(params, mesh))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _init_state(optimizer: optax.GradientTransformation, sharding: NamedSharding, params: nnx.State) -> TrainState:
+def _init_state(optimizer: optax.GradientTransformation, mesh: Mesh, params: nnx.State) -> TrainState:
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-    return jax.lax.with_sharding_constraint(state, sharding)
+    return mesh_lib.constrain(state, mesh)
 
 
 # ---- gradients -------------------------------------------------------------------------------------------
@@ -135,15 +147,17 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, x, y, dropout_key=None) -
 
 
 def grads_fn(graphdef: nnx.GraphDef, params: nnx.State, x, y, key: jax.Array | None = None, *,
-             dropout: bool = False) -> tuple[jax.Array, nnx.State]:
+             dropout: bool = False, gather: Callable | None = None) -> tuple[jax.Array, nnx.State]:
     """(mean loss, mean gradient) over the micro-steps of ``x, y: (micro_steps, micro_batch, seq)``, both fp32.
 
     Pure and traceable (the train step calls it inside its jit; tests jit it themselves). Micro-step ``i``
-    uses dropout key ``fold_in(key, i)`` when ``dropout`` is set, and no dropout otherwise."""
+    uses dropout key ``fold_in(key, i)`` when ``dropout`` is set, and no dropout otherwise. ``gather``
+    (inside shard_map, FSDP) maps the params to the full weights inside each micro-step's loss."""
     micro_steps = x.shape[0]
     if dropout and key is None:
         raise ValueError("dropout=True needs a PRNG key")
-    value_and_grad = jax.value_and_grad(lambda p, xb, yb, k: loss_fn(graphdef, p, xb, yb, k))
+    gather = gather or (lambda p: p)
+    value_and_grad = jax.value_and_grad(lambda p, xb, yb, k: loss_fn(graphdef, gather(p), xb, yb, k))
 
     def body(carry, inputs):
         loss_sum, grad_sum = carry
@@ -161,12 +175,26 @@ def grads_fn(graphdef: nnx.GraphDef, params: nnx.State, x, y, key: jax.Array | N
 
 
 def _put_tokens(a, sharding: NamedSharding) -> jax.Array:
-    """int32 token ids placed with ``sharding`` (host arrays go straight to their shards)."""
+    """int32 token ids placed with ``sharding``. A host array is this process's rows of the batch (all of
+    it with one process) and goes straight to its shards; a jax.Array is resharded if needed."""
     if isinstance(a, jax.Array):
         a = a if a.dtype == jnp.int32 else a.astype(jnp.int32)
-    else:
-        a = np.asarray(a, np.int32)
-    return jax.device_put(a, sharding)
+        if a.sharding.is_equivalent_to(sharding, a.ndim):
+            return a
+        if jax.process_count() == 1:
+            return jax.device_put(a, sharding)
+    return jax.make_array_from_process_local_data(sharding, np.asarray(a, np.int32))
+
+
+def _put_key(key: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A PRNG key replicated with ``sharding`` (every process passes the same key)."""
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.device_put(key, sharding)
+    if key.sharding.is_equivalent_to(sharding, key.ndim):
+        return key
+    # device_put refuses typed keys for shardings spanning other processes: move the raw words instead.
+    return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(key), sharding),
+                                    impl=jax.random.key_impl(key))
 
 
 jit_grads = jax.jit(grads_fn, static_argnums=0, static_argnames=("dropout",))
@@ -180,7 +208,8 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                     lr_schedule: optax.Schedule | None = None) -> Callable:
     """``step_fn(state, x, y, key) -> (new_state, metrics)``, jitted, donating ``state``.
 
-    ``x, y``: int32 ``(micro_steps, micro_batch, seq)``, ``micro_batch`` divisible by the device count;
+    ``x, y``: int32 ``(micro_steps, micro_batch, seq)``, ``micro_batch`` divisible by the device count
+    (with several processes: host arrays are this process's rows, divisible by its device count);
     ``key``: the step's dropout key (ignored, and may be None, when ``dropout`` is False). ``metrics``:
     ``loss`` (mean over the micro-steps, fp32), ``grad_norm`` (global norm of the averaged gradient, before
     clipping) and ``lr`` (the learning rate this update used; from the optimizer state for optimizers built
@@ -191,23 +220,31 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         raise ValueError(f"micro_steps = {micro_steps!r}: must be an integer >= 1")
     mesh = mesh or data_mesh()
     repl, batch = replicated(mesh), batch_sharding(mesh, 3)
-    rows = P(None, DATA_AXIS, None)
+    axes = mesh_lib.batch_axes(mesh)
+    rows = P(None, axes, None)
 
-    def local_grads(params, x, y, key):
-        """On each device: its rows of every micro-batch, all micro-steps, then one mean over devices."""
-        if dropout:  # independent masks per device (the same key would repeat one mask on every device)
-            key = jax.random.fold_in(key, jax.lax.axis_index(DATA_AXIS))
-        loss, grads = grads_fn(graphdef, params, x, y, key, dropout=dropout)
-        return jax.lax.pmean((loss, grads), DATA_AXIS)  # equal shards: mean of means == global mean
+    def sharded_grads(params, x, y, key):
+        specs = mesh_lib.param_specs(params, mesh)  # FSDP-sharded or replicated, from the shapes
 
-    # shard_map, not sharding propagation: left to itself, XLA all-reduces the gradients inside the
-    # micro-step loop (once per micro-step); here each device accumulates locally and there is one
-    # all-reduce per optimizer step. check_vma=False: gradients w.r.t. the replicated params stay local
-    # (no implicit psum) until the explicit pmean.
-    sharded_grads = jax.shard_map(local_grads, mesh=mesh, in_specs=(P(), rows, rows, P()),
-                                  out_specs=(P(), P()), check_vma=False)
+        def local_grads(params, x, y, key):
+            """On each device: its rows of every micro-batch, all micro-steps, then one mean over devices."""
+            if dropout:  # independent masks per device (the same key would repeat one mask on every device)
+                key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+            loss, grads = grads_fn(graphdef, params, x, y, key, dropout=dropout,
+                                   gather=lambda p: mesh_lib.all_gather_params(p, specs))
+            # equal shards: mean of means == global mean
+            return jax.lax.pmean(loss, axes), mesh_lib.mean_grads(grads, specs, mesh)
+
+        # shard_map, not sharding propagation: left to itself, XLA all-reduces the gradients inside the
+        # micro-step loop (once per micro-step); here each device accumulates locally and there is one
+        # all-reduce per optimizer step (FSDP: the sharded leaves' reduce-scatter, the transpose of their
+        # all-gather, does run per micro-step: it is what keeps the accumulator sharded). check_vma=False:
+        # gradients w.r.t. replicated params stay local (no implicit psum) until the explicit mean.
+        return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, rows, rows, P()), out_specs=(P(), specs),
+                             check_vma=False)(params, x, y, key)
 
     def step(state: TrainState, x, y, key):
+        state = mesh_lib.constrain(state, mesh)  # as init_train_state / shard_state placed it
         loss, grads = sharded_grads(state.params, x, y, key)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -216,9 +253,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         if lr is None:
             lr = lr_schedule(state.step) if lr_schedule is not None else jnp.nan
         metrics = dict(loss=loss, grad_norm=grad_norm, lr=jnp.asarray(lr, jnp.float32))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        return mesh_lib.constrain(new_state, mesh), metrics
 
-    jitted = jax.jit(step, in_shardings=(repl, batch, batch, repl), out_shardings=(repl, repl),
+    # The state's shardings follow from its shapes (jaxgpt.mesh.state_shardings) and are applied inside
+    # the step; None: "as the argument is placed" (step_fn places it) / "as constrained".
+    jitted = jax.jit(step, in_shardings=(None, batch, batch, repl), out_shardings=(None, repl),
                      donate_argnums=0)
 
     def step_fn(state: TrainState, x, y, key: jax.Array | None = None):
@@ -231,7 +271,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                 raise ValueError("this train step uses dropout: pass a PRNG key")
             key = jax.random.key(0)  # unused
         return jitted(shard_state(state, mesh), _put_tokens(x, batch), _put_tokens(y, batch),
-                      jax.device_put(key, repl))
+                      _put_key(key, repl))
 
     step_fn.jitted = jitted  # for lowering / cost analysis
     step_fn.mesh = mesh
@@ -240,11 +280,15 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
 def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh | None = None) -> Callable:
     """``eval_fn(params, x, y) -> mean loss`` (fp32, no dropout) for ``x, y: (batch, seq)``, jitted, with
-    the batch sharded over ``mesh`` (``batch`` divisible by the device count)."""
+    the batch sharded over ``mesh`` (``batch`` divisible by the device count; with several processes,
+    host arrays are this process's rows). FSDP-sharded params are all-gathered for the forward."""
     mesh = mesh or data_mesh()
     repl, batch = replicated(mesh), batch_sharding(mesh, 2)
-    jitted = jax.jit(lambda params, x, y: loss_fn(graphdef, params, x, y),
-                     in_shardings=(repl, batch, batch), out_shardings=repl)
+
+    def loss(params, x, y):
+        return loss_fn(graphdef, mesh_lib.gather(mesh_lib.constrain(params, mesh), mesh), x, y)
+
+    jitted = jax.jit(loss, in_shardings=(None, batch, batch), out_shardings=repl)
 
     def eval_fn(params: nnx.State, x, y) -> jax.Array:
         _check_batch_shape(x, y, mesh, ndim=2)

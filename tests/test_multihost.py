@@ -1,0 +1,215 @@
+"""Multi-process training on one machine: 2 processes on loopback (JAX's distributed runtime, gloo collectives
+on CPU), each with 2 virtual CPU devices, against a 1-process run fed the same global batches.
+
+Each process passes only its own rows of every global batch (process p: rows p*4 .. p*4+3 of 8) and the
+train step assembles the global batch with ``jax.make_array_from_process_local_data``; the 1-process run
+passes all 8 rows, so both compute on the same global batches and the losses must agree to rounding.
+Every subprocess is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxgpt import distributed
+from jaxgpt.config import ConfigError
+from jaxgpt.mesh import make_mesh
+from tests import mesh_worker
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # seconds per subprocess (the CPU is shared; a 2-process run takes ~30-60 s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXGPT_", "SLURM_", "OMPI_"))}
+    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_processes(n: int, port: int, *args: str, devices: int = 2, **extra: str) -> list[subprocess.Popen]:
+    """``n`` processes of one run (process ids 0..n-1) running ``tests.mesh_worker *args``."""
+    return [subprocess.Popen([sys.executable, "-m", "tests.mesh_worker", *args], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=_env(devices, JAXGPT_COORDINATOR=f"127.0.0.1:{port}", JAXGPT_NUM_PROCESSES=str(n),
+                                      JAXGPT_PROCESS_ID=str(i), **extra))
+            for i in range(n)]
+
+
+def results(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[dict]:
+    out = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            assert p.returncode == 0, f"process exited with {p.returncode}:\n{stderr[-4000:]}"
+            out.append(json.loads(next(ln for ln in stdout.splitlines() if ln.startswith("RESULT "))[7:]))
+    finally:
+        for p in procs:
+            p.kill()
+    return out
+
+
+# ---- settings -------------------------------------------------------------------------------------------
+def test_resolve_explicit_env_and_errors(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith(("JAXGPT_", "SLURM_", "OMPI_")):
+            monkeypatch.delenv(k)
+    r = distributed.resolve(environ={})
+    assert (r.how, r.num_processes, r.process_id) == ("single", 1, 0)
+    env = {"JAXGPT_COORDINATOR": "10.0.0.1:1234", "JAXGPT_NUM_PROCESSES": "4", "JAXGPT_PROCESS_ID": "3",
+           "JAXGPT_INIT_TIMEOUT": "17", "JAXGPT_LOCAL_DEVICE_IDS": "0,1"}
+    r = distributed.resolve(environ=env)
+    assert (r.how, r.coordinator, r.num_processes, r.process_id, r.init_timeout, r.local_device_ids) == (
+        "explicit", "10.0.0.1:1234", 4, 3, 17, (0, 1))
+    assert (r.heartbeat_timeout, r.shutdown_timeout) == (60, 60)
+    # config fields win over the environment
+    cfg = distributed.DistributedConfig(process_id=1, heartbeat_timeout=5)
+    r = distributed.resolve(cfg, environ=env)
+    assert (r.process_id, r.heartbeat_timeout) == (1, 5)
+    assert distributed.resolve(environ={**env, "JAXGPT_NUM_PROCESSES": "1", "JAXGPT_PROCESS_ID": "0"}).how == "single"
+    with pytest.raises(ConfigError, match=r"incomplete.*missing: process_id \(\$JAXGPT_PROCESS_ID\)"):
+        distributed.resolve(environ={"JAXGPT_COORDINATOR": "h:1", "JAXGPT_NUM_PROCESSES": "2"})
+    with pytest.raises(ConfigError, match=r"process_id = 2: must be < num_processes \(2\)"):
+        distributed.resolve(environ={**env, "JAXGPT_NUM_PROCESSES": "2", "JAXGPT_PROCESS_ID": "2"})
+    with pytest.raises(ConfigError, match=r"\$JAXGPT_NUM_PROCESSES = 'two': expected an integer >= 1"):
+        distributed.resolve(environ={**env, "JAXGPT_NUM_PROCESSES": "two"})
+    with pytest.raises(ConfigError, match="expected host:port"):
+        distributed.resolve(environ={**env, "JAXGPT_COORDINATOR": "10.0.0.1"})
+    with pytest.raises(ConfigError, match="init_timeout = 0: must be null or an integer >= 1"):
+        distributed.DistributedConfig(init_timeout=0)
+
+
+def test_resolve_slurm_through_jax_cluster_detection(monkeypatch):
+    """SLURM is JAX's own auto-detection (jax._src.clusters.SlurmCluster); resolve() reports what it will use."""
+    for k in list(os.environ):
+        if k.startswith(("JAXGPT_", "SLURM_", "OMPI_", "JAX_COORDINATOR")):
+            monkeypatch.delenv(k)
+    slurm = dict(SLURM_JOB_ID="12345", SLURM_STEP_NODELIST="gpu[003-004],gpu010", SLURM_NTASKS="16",
+                 SLURM_PROCID="9", SLURM_LOCALID="1", SLURM_STEP_NUM_NODES="2")
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    r = distributed.resolve()
+    assert (r.how, r.coordinator, r.num_processes, r.process_id) == ("slurm", "gpu003:61497", 16, 9)
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "5000")
+    assert distributed.resolve().coordinator == "gpu003:5000"
+    monkeypatch.setenv("SLURM_NTASKS", "1")  # a one-task step: a single process
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert distributed.resolve().how == "single"
+    monkeypatch.setenv("SLURM_NTASKS", "16")  # explicit settings win over SLURM
+    monkeypatch.setenv("JAXGPT_COORDINATOR", "h:1")
+    monkeypatch.setenv("JAXGPT_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAXGPT_PROCESS_ID", "1")
+    assert distributed.resolve().how == "explicit"
+
+
+# ---- 2 processes ----------------------------------------------------------------------------------------
+def test_two_processes_match_one_and_checkpoints_cross_process_counts(tmp_path):
+    """2 processes (mesh data=2 x fsdp=2: each process's 2 devices form an FSDP group, the data axis spans
+    the processes) and 1 process on 1 device run the same 10 steps, each checkpointing after step 5; then
+    each restores the *other* run's step-5 checkpoint and runs steps 6-10 again."""
+    t0 = time.perf_counter()
+    np.save(tmp_path / "batches.npy", mesh_worker.batches(10))
+    b = str(tmp_path / "batches.npy")
+    two_ck, one_ck = tmp_path / "ckpt_2proc", tmp_path / "ckpt_1proc"
+    procs = start_processes(2, free_port(), "multihost", b, str(two_ck), WORKER_MESH="data=2,fsdp=2",
+                            WORKER_SAVE_AT="5", WORKER_THEN_RESUME_FROM=str(one_ck))
+    try:
+        with jax.default_matmul_precision("highest"):  # meanwhile: 1 process, 1 device
+            mesh = make_mesh(devices=jax.devices()[:1])
+            _, state, _, step = mesh_worker.setup(mesh)
+            state, one, one_norms = mesh_worker.train(mesh, np.load(b)[:5], state, step)
+            mesh_worker.save_checkpoint(state, str(one_ck))
+            state, rest, rest_norms = mesh_worker.train(mesh, np.load(b)[5:], state, step)
+            one, one_norms = one + rest, one_norms + rest_norms
+            mesh_worker.wait_for_checkpoint(str(two_ck))
+            state, start = mesh_worker.restore_into(state, str(two_ck))
+            _, one_resumed, _ = mesh_worker.train(mesh, np.load(b)[5:], state, step)
+        two = results(procs)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [r["process"] for r in two] == [0, 1] and all(r["devices"] == 4 for r in two)
+    assert two[0]["mesh"] == {"data": 2, "fsdp": 2}
+    assert two[0]["losses"] == two[1]["losses"]  # every process sees the global loss
+    assert one[-1] < one[0] - 0.5  # it trains
+    np.testing.assert_allclose(two[0]["losses"], one, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(two[0]["norms"][:10], one_norms, rtol=1e-5)
+    # Checkpoints move between process counts: 2-process checkpoint resumed in 1 process, and the reverse.
+    assert start == 5 and two[0]["resumed_from"] == 5
+    np.testing.assert_allclose(one_resumed, one[5:], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(two[0]["resumed_losses"], one[5:], rtol=0, atol=1e-6)
+    d = lambda a, b: float(np.max(np.abs(np.subtract(a, b))))  # noqa: E731
+    print(f"\n2 processes vs 1: max |loss diff| {d(two[0]['losses'], one):.2e} over 10 steps; after resuming "
+          f"the other's step-5 checkpoint: {d(one_resumed, one[5:]):.2e} (2 -> 1 process), "
+          f"{d(two[0]['resumed_losses'], one[5:]):.2e} (1 -> 2); {time.perf_counter() - t0:.0f} s")
+
+
+# ---- failures are bounded -------------------------------------------------------------------------------
+def test_a_process_that_never_joins_fails_in_bounded_time():
+    """Only one of two processes is started (once process 0, which hosts the coordination service; once
+    process 1, which has nobody to talk to): each gives up after the 5 s init timeout with a clear error."""
+    t0 = time.monotonic()
+    port = free_port()
+    alone = [subprocess.Popen([sys.executable, "-m", "tests.mesh_worker", "multihost", "-", "-"], cwd=REPO,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=_env(2, JAXGPT_COORDINATOR=f"127.0.0.1:{port + i}", JAXGPT_NUM_PROCESSES="2",
+                                       JAXGPT_PROCESS_ID=str(i), JAXGPT_INIT_TIMEOUT="5"))
+             for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=90) for p in alone]
+    finally:
+        for p in alone:
+            p.kill()
+    elapsed = time.monotonic() - t0
+    for i, (p, (_, err)) in enumerate(zip(alone, outs)):
+        assert p.returncode == distributed.EXIT_DISTRIBUTED, err[-3000:]
+        assert (f"process {i} of 2: the run did not come together through the coordinator 127.0.0.1:{port + i} "
+                "within the init timeout (5 s): not every process joined") in err
+    assert elapsed < 60
+    print(f"\nnever-joined processes gave up after {elapsed:.1f} s (init timeout 5 s, start-up included)")
+
+
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_process_killed_mid_run_stops_the_other(tmp_path, victim):
+    """SIGKILL one of two training processes after its 2nd step: the survivor ends with an error (JAX's
+    coordination service: a missed heartbeat, or the lost coordinator) well within the bound."""
+    np.save(tmp_path / "batches.npy", mesh_worker.batches(40))
+    procs = start_processes(2, free_port(), "multihost", str(tmp_path / "batches.npy"), str(tmp_path / "ck"),
+                            WORKER_STEP_SLEEP="0.5", JAXGPT_HEARTBEAT_TIMEOUT="5")
+    survivor = procs[1 - victim]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for line in procs[victim].stdout:  # wait for the victim's second step
+            if line.startswith("step 2 ") or time.monotonic() > deadline:
+                break
+        os.kill(procs[victim].pid, signal.SIGKILL)
+        t_kill = time.monotonic()
+        _, err = survivor.communicate(timeout=60)
+        waited = time.monotonic() - t_kill
+    finally:
+        for p in procs:
+            p.kill()
+    assert survivor.returncode != 0
+    assert "Terminating process because the JAX distributed service detected fatal errors" in err, err[-3000:]
+    assert "another task died" in err
+    assert waited < 45
+    print(f"\nprocess {victim} killed: process {1 - victim} stopped {waited:.1f} s later "
+          f"(exit status {survivor.returncode})")
