@@ -14,8 +14,15 @@ torch's tensorboard is installed) and orbax checkpoints under ``checkpoints/`` (
 With ``resume: auto`` (the default) a run directory that holds a checkpoint is resumed from it: the
 continued run repeats the uninterrupted one's losses bit for bit on CPU.
 
+Several devices and hosts: ``--mesh.data=D --mesh.fsdp=F`` (or ``--mesh=data=2,fsdp=4``) lays the devices out
+as a ``('data', 'fsdp')`` mesh (default: all devices data parallel; see :mod:`jaxgpt.mesh`); a multi-process
+run starts every process with ``JAXGPT_COORDINATOR`` / ``JAXGPT_NUM_PROCESSES`` / ``JAXGPT_PROCESS_ID`` (or
+``--distributed.*``, or under SLURM's ``srun``; see :mod:`jaxgpt.distributed` and docs/scaling.md). Each
+process reads its own part of the data; process 0 alone writes the run directory's files; all processes
+save the (sharded) checkpoints together.
+
 Exit codes: 0 done, 2 bad configuration or command line, 3 a non-finite loss stopped the run (the last good
-checkpoint is kept), 130 interrupted.
+checkpoint is kept), 4 the processes of a multi-process run did not all join, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from typing import Any, Literal
 import yaml
 
 from jaxgpt.config import PRESETS, ConfigError, GPTConfig, _type_name, from_dict, load_yaml, to_dict
+from jaxgpt.distributed import EXIT_DISTRIBUTED, DistributedConfig
+from jaxgpt.mesh import MeshConfig
 from jaxgpt.optim import OptimConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "shakespeare-cpu.yaml"
@@ -87,6 +96,9 @@ class TrainConfig:
     tensorboard: bool = True  # when tensorboardX or torch.utils.tensorboard (+ tensorboard) is importable
     plot: bool = True  # loss.png at the end
     progress: bool = True  # the tqdm progress bar
+    # ---- devices and processes --------------------------------------------------------------------------
+    mesh: MeshConfig = MeshConfig()  # data x fsdp axis sizes (-1: the rest); default all devices data parallel
+    distributed: DistributedConfig = DistributedConfig()  # multi-process settings; unset: $JAXGPT_* / SLURM
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -126,6 +138,8 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"TrainConfig: expected a mapping of fields, got {type(data).__name__}")
         data = dict(data)
+        if isinstance(data.get("mesh"), str):  # --mesh=data=2,fsdp=4
+            data["mesh"] = MeshConfig.parse(data["mesh"]).to_dict()
         preset = data.get("model_preset")
         if isinstance(preset, str) and preset in PRESETS:
             model = data.get("model") or {}
@@ -379,6 +393,46 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
+def _on_one_device(tree: Any) -> Any:
+    """``tree`` (sharded over a mesh, maybe over several processes) whole on this process's first device:
+    what generation runs on. With several processes every process must call it (an all-gather)."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        tree = multihost_utils.process_allgather(tree, tiled=True)  # numpy, whole, on every process
+    return jax.device_put(tree, device)
+
+
+def _loader_state_for(saved: dict[str, Any], loader: Any, say: Any) -> dict[str, Any]:
+    """The checkpoint's loader position (process 0's, saved by process 0) for this process's loader.
+
+    All processes advance in lockstep, so process 0's position is every process's. A run resumed with
+    another process count keeps its place when the global batch is the same (``batch_size *
+    process_count``): sequential mode then continues with the very same tokens each step (with one micro-step,
+    the very same global batches); random mode continues at the same batch number with other random rows.
+    Anything else is left to ``load_state_dict`` to refuse."""
+    if not isinstance(saved, dict):
+        return saved
+    mine = loader.state_dict()
+    keys = ("batch_size", "process_index", "process_count")
+    if all(saved.get(k) == mine[k] for k in keys):
+        return saved
+    try:
+        same_global = saved["batch_size"] * saved["process_count"] == mine["batch_size"] * mine["process_count"]
+    except (KeyError, TypeError):
+        return saved
+    if not same_global:
+        return saved
+    if saved["process_count"] != mine["process_count"]:
+        say(f"  resuming a {saved['process_count']}-process run with {mine['process_count']} process(es): the "
+            f"data loader keeps its place ({loader.mode} mode" + (", other random rows from here on)"
+                                                                   if loader.mode == "random" else ")"))
+    return {**saved, **{k: mine[k] for k in keys}}
+
+
 # ---- the run --------------------------------------------------------------------------------------------
 def build_model(cfg: TrainConfig, policy):
     """The GPT to train: fresh (init_from: scratch) or with Hugging Face weights."""
@@ -407,6 +461,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from jaxgpt import data as data_lib
+    from jaxgpt import mesh as mesh_lib
     from jaxgpt import step as step_lib
     from jaxgpt.checkpoint import Checkpoints, NoCheckpointError
     from jaxgpt.optim import make_optimizer
@@ -420,6 +475,11 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     micro_steps = cfg.micro_steps(pcount)
     tokens_per_step = micro_steps * cfg.batch_size * cfg.seq_len * pcount
     say = tqdm.write if is_main else (lambda *_a, **_k: None)
+    mesh = mesh_lib.make_mesh(cfg.mesh)
+    local_devices = sum(d.process_index == pindex for d in mesh.devices.flat)
+    if cfg.batch_size % local_devices:
+        raise ConfigError(f"TrainConfig.batch_size = {cfg.batch_size}: must be a multiple of the devices per process "
+                          f"({local_devices}): every device takes the same number of rows of each micro-batch")
 
     # ---- data -----------------------------------------------------------------------------------------
     data_dir = cfg.resolved_data_dir()
@@ -439,12 +499,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     model = build_model(cfg, policy)
     model_cfg = model.config
     optimizer = make_optimizer(cfg.optim)
-    graphdef, state = step_lib.init_train_state(model, optimizer)
+    graphdef, state = step_lib.init_train_state(model, optimizer, mesh=mesh)
     del model
     saved_config = {**cfg.to_dict(), "model": to_dict(model_cfg)}
     train_step = step_lib.make_train_step(graphdef, optimizer, micro_steps=micro_steps,
-                                          dropout=model_cfg.dropout > 0)
-    eval_step = step_lib.make_eval_step(graphdef)
+                                          dropout=model_cfg.dropout > 0, mesh=mesh)
+    eval_step = step_lib.make_eval_step(graphdef, mesh=mesh)
     rng = jax.random.key(cfg.seed)
 
     # ---- resume ---------------------------------------------------------------------------------------
@@ -462,7 +522,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             state = state.replace(step=jax.numpy.asarray(r.step, dtype=state.step.dtype), params=r.params,
                                   opt_state=r.opt_state)
             rng = r.rng_key
-            train_loader.load_state_dict(r.loader_state)
+            train_loader.load_state_dict(_loader_state_for(r.loader_state, train_loader, say))
             start_step = r.step
         if is_main:
             (run_dir / "config.yaml").write_text(yaml.safe_dump(saved_config, sort_keys=False))
@@ -479,6 +539,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         say(f"  batch: {tokens_per_step:,} tokens/step = {micro_steps} micro step(s) x {cfg.batch_size} x "
             f"{cfg.seq_len} x {pcount} process(es); data {data_dir} ({train_loader.num_tokens:,} train tokens); "
             f"peak {'?' if peak is None else f'{peak / 1e12:.2f} TFLOP/s'} ({peak_src})")
+        say(f"  {mesh_lib.summary(mesh, state.params, state.opt_state)}")
         say(f"  run dir {run_dir}" + (f"; resumed from step {start_step}" if latest else ""))
 
         val_state = val_loader.state_dict()
@@ -497,14 +558,16 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
             from jaxgpt.generate import generate_text
 
+            params = _on_one_device(params)  # every process takes part (a collective with several)
+            if not is_main:
+                return
             texts = generate_text(nnx.merge(graphdef, params), cfg.sample_prompt, max_new_tokens=cfg.sample_len,
                                   temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
                                   seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
             block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
-            if is_main:
-                with open(run_dir / "samples.txt", "a") as f:
-                    f.write(block)
-                say(block.rstrip())
+            with open(run_dir / "samples.txt", "a") as f:
+                f.write(block)
+            say(block.rstrip())
 
         def save(step: int, extra: dict[str, Any]) -> None:
             if ckpts.latest_step() == step:
@@ -627,10 +690,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if from_cli:
         _maybe_reexec_with_malloc_tuning(argv)
+    from jaxgpt import distributed
     from jaxgpt.checkpoint import NoCheckpointError
     from jaxgpt.data import DataError
     from jaxgpt.weights import CheckpointError
 
+    try:  # before anything starts JAX's backends
+        distributed.initialize_from_env(cfg.distributed)
+    except (ConfigError, distributed.DistributedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DISTRIBUTED if isinstance(e, distributed.DistributedError) else EXIT_CONFIG
     try:
         train(cfg)
     except NonFiniteLoss as e:
