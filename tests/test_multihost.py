@@ -213,3 +213,65 @@ def test_a_process_killed_mid_run_stops_the_other(tmp_path, victim):
     assert waited < 45
     print(f"\nprocess {victim} killed: process {1 - victim} stopped {waited:.1f} s later "
           f"(exit status {survivor.returncode})")
+
+
+# ---- the train CLI --------------------------------------------------------------------------------------
+def _train_cmd(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxgpt.train", "--config", str(REPO / "configs/tiny-test.yaml"),
+            f"--data_dir={REPO / 'data_cache' / 'shakespeare'}", f"--out_dir={out}", "--loader_mode=sequential",
+            "--total_batch_tokens=null", "--checkpoint_interval=2", "--eval_interval=2", "--sample_interval=0",
+            *args]
+
+
+@pytest.mark.slow  # ~90 s at load 8 on 2 cores
+def test_train_cli_two_processes_match_one_then_resume_in_one(tmp_path):
+    """``python -m jaxgpt.train`` as 2 processes x 2 devices (batch_size 2 each, mesh data=2 x fsdp=2) and as
+    1 process x 1 device (batch_size 4): the sequential loader gives process p windows p, p+2, ... of 2 x 32
+    tokens, which side by side are the 1-process run's windows of 4 x 32, so both runs see the same global
+    batches and log the same losses. Process 0 alone logs and writes files. Then the 2-process run's step-4
+    checkpoint resumes in 1 process (batch 4 x 1 = 2 x 2: the loader keeps its place) and follows the
+    1-process run (losses ~10.8: 1e-6 relative, a few float32 ulps)."""
+    cache = tmp_path / "xla_cache"
+    env = _env(2, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    port = free_port()
+    two = [subprocess.Popen(_train_cmd(tmp_path / "two", "--batch_size=2", "--mesh=data=2,fsdp=2", "--max_steps=4"),
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**env, "JAXGPT_COORDINATOR": f"127.0.0.1:{port}", "JAXGPT_NUM_PROCESSES": "2",
+                                 "JAXGPT_PROCESS_ID": str(i)}) for i in (0, 1)]
+    one = subprocess.Popen(_train_cmd(tmp_path / "one", "--batch_size=4", "--max_steps=6"), cwd=REPO, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**env, "XLA_FLAGS": ""})
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in (*two, one)]
+    finally:
+        for p in (*two, one):
+            p.kill()
+    for p, (_, err) in zip((*two, one), outs):
+        assert p.returncode == 0, err[-4000:]
+    log0, log1 = outs[0][0], outs[1][0]
+    assert "4 x cpu, 2 process(es)" in log0 and "mesh data=2 x fsdp=2 (4 devices, 2 processes)" in log0
+    assert "jaxgpt.train" not in log1 and "sample" not in log1  # process 1 says nothing ...
+    assert (tmp_path / "two" / "metrics.jsonl").read_text().count('"type": "train"') == 4  # ... writes nothing
+    assert sorted(int(p.name) for p in (tmp_path / "two" / "checkpoints").iterdir()) == [2, 4]
+    assert "--- sample 0 (step 4) ---" in (tmp_path / "two" / "samples.txt").read_text()
+    from jaxgpt.train import read_metrics
+
+    def losses(d):
+        return {(r["type"], r["step"]): r["loss"] if r["type"] == "train" else r["val_loss"] for r in read_metrics(d)}
+
+    got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
+    keys = sorted(got)
+    assert len(keys) == 7  # 4 train steps + evals at 0, 2, 4
+    np.testing.assert_allclose([got[k] for k in keys], [want[k] for k in keys], rtol=1e-6, atol=0)
+
+    # the 2-process checkpoint, resumed by 1 process with batch_size 4
+    resumed = subprocess.run(_train_cmd(tmp_path / "two", "--batch_size=4", "--max_steps=6"), cwd=REPO, text=True,
+                             capture_output=True, env={**env, "XLA_FLAGS": ""}, timeout=TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from step 4" in resumed.stdout
+    assert "resuming a 2-process run with 1 process(es): the data loader keeps its place" in resumed.stdout
+    got = losses(tmp_path / "two")
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-6, atol=0)
+    assert (tmp_path / "two" / "samples.txt").read_text().split("(step 6) ---")[1] == \
+        (tmp_path / "one" / "samples.txt").read_text().split("(step 6) ---")[1]

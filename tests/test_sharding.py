@@ -179,3 +179,49 @@ def test_layouts_match_one_device_and_checkpoints_move_between_meshes(tmp_path):
         assert r["bad"] == [], r  # and laid out on the new mesh
     assert [r["devices_used"] for r in restores] == [2, 1, 2, 8, 4, 8]
     print(f"checkpoint moves took {time.perf_counter() - t1:.0f} s")
+
+
+# ---- the train CLI on a mesh ----------------------------------------------------------------------------
+def _train(out: Path, devices: int, *args: str, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    cmd = [sys.executable, "-m", "jaxgpt.train", "--config", str(REPO / "configs/tiny-test.yaml"),
+           f"--data_dir={REPO / 'data_cache' / 'shakespeare'}", f"--out_dir={out}", "--checkpoint_interval=3",
+           "--eval_interval=3", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    return out
+
+
+def _losses(run_dir: Path) -> dict[tuple[str, int], float]:
+    from jaxgpt.train import read_metrics
+
+    return {(r["type"], r["step"]): r["loss"] if r["type"] == "train" else r["val_loss"]
+            for r in read_metrics(run_dir)}
+
+
+@pytest.mark.slow  # ~75 s at load 8 on 2 cores: three CLI runs
+def test_train_cli_on_an_fsdp_mesh_then_resumed_on_one_device(tmp_path):
+    """``python -m jaxgpt.train --mesh=fsdp=2`` on 2 devices logs its mesh and per-device bytes; its step-3
+    checkpoint resumes on 1 device; the losses follow a plain 1-device run (tiny-test: 2 micro-steps of
+    4 x 32 tokens, loss ~10.8, so 1e-6 relative: a few float32 ulps)."""
+    cache = tmp_path / "xla_cache"
+    fsdp = _train(tmp_path / "fsdp", 2, "--mesh=fsdp=2", "--max_steps=3", cache=cache)
+    plain = _train(tmp_path / "plain", 1, "--max_steps=6", cache=cache)
+    log = _finish(fsdp)
+    _finish(plain)
+    assert "mesh data=1 x fsdp=2 (2 devices, 1 process); per device: params 3.12 MiB of 6.24 MiB, " \
+           "optimizer state 6.24 MiB of 12.48 MiB" in log
+    resumed = _finish(_train(tmp_path / "fsdp", 1, "--max_steps=6", cache=cache))
+    assert "resumed from step 3" in resumed and "mesh data=1 x fsdp=1 (1 devices, 1 process)" in resumed
+    got, want = _losses(tmp_path / "fsdp"), _losses(tmp_path / "plain")
+    assert sorted(got) == sorted(want) and len(want) == 9  # 6 train + evals at 0, 3, 6
+    np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-6, atol=0)
