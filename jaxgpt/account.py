@@ -60,6 +60,14 @@ XLA:CPU's scheduler was seen to hoist the recomputation of every block ahead of 
 ``memory_analysis()`` on CPU shows no saving from ``jax.checkpoint`` (measured on a 4-layer model: the
 saved residuals drop from 162 to 62 tensors, temp bytes stay the same).
 
+On a mesh (``--mesh data=D,fsdp=F``, :mod:`jaxgpt.mesh`): params, grads, the gradient accumulator and the
+optimizer state are divided by F (FSDP shards them; ``data`` replicates them), activations follow the
+per-device batch (``--batch`` is per device; ``--global-batch`` is split over all D x F devices), and with
+F > 1 the train step all-gathers the full fp32 weights inside each micro-step's loss: another 4 N bytes that
+live through the forward and backward (a transient, counted as "FSDP all-gathered weights"; XLA:CPU
+memory_analysis of the tiny-model step on 4 devices: temp bytes within ~25% of this model for fsdp=4 and
+data=2 x fsdp=2). Time and cost are for the whole mesh (D x F devices at the given MFU each).
+
 The estimate is checked against XLA's own ``memory_analysis()`` of the compiled train step on CPU
 (tests/test_account.py): temp bytes = activations + grads + weight copies + loss buffers + transient,
 within 20%.
@@ -372,8 +380,9 @@ class ActivationEstimate:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device for one training step. ``state_shards`` divides params, grads and optimizer
-    state (FSDP); activations depend only on the per-device batch."""
+    """Bytes per device for one training step. ``state_shards`` divides params, grads, the gradient
+    accumulator and optimizer state (FSDP); activations depend only on the per-device batch; with FSDP the
+    full weights are all-gathered for the forward/backward (``gathered_weights``)."""
 
     params: int
     grads: int
@@ -383,17 +392,19 @@ class MemoryEstimate:
     activations: ActivationEstimate
     device_bytes: int
     state_shards: int = 1
+    gathered_weights: int = 0  # FSDP: the full fp32 weights, all-gathered for the forward/backward
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.grad_accumulator + self.optimizer_state + self.weight_copies
-                + self.activations.total)
+                + self.gathered_weights + self.activations.total)
 
     @property
     def xla_temp(self) -> int:
         """What XLA reports as temp for a train step with donated params/opt state: everything that is
         neither an input nor an output."""
-        return self.grads + self.grad_accumulator + self.weight_copies + self.activations.total
+        return (self.grads + self.grad_accumulator + self.weight_copies + self.gathered_weights
+                + self.activations.total)
 
     @property
     def fits(self) -> bool | None:
@@ -408,6 +419,7 @@ class MemoryEstimate:
         a = self.activations
         return [("params", self.params), ("grads", self.grads), ("grad accumulator", self.grad_accumulator),
                 ("optimizer state", self.optimizer_state), ("compute-dtype weight copies", self.weight_copies),
+                *([("FSDP all-gathered weights (transient)", self.gathered_weights)] if self.state_shards > 1 else []),
                 (f"activations, {self.activations_label()}", a.layers), ("activations, ln_f", a.ln_f),
                 ("loss buffers (logits)", a.loss_buffers), ("backward transient", a.backward_transient),
                 ("total", self.total)]
@@ -425,7 +437,8 @@ class MemoryEstimate:
                                      layers=a.layers, ln_f=a.ln_f, loss_buffers=a.loss_buffers,
                                      backward_transient=a.backward_transient, remat=a.remat, total=a.total),
                     total=self.total, xla_temp=self.xla_temp, device_bytes=self.device_bytes,
-                    fits=self.fits, fits_jax_default=self.fits_jax_default, state_shards=self.state_shards)
+                    fits=self.fits, fits_jax_default=self.fits_jax_default, state_shards=self.state_shards,
+                    gathered_weights=self.gathered_weights)
 
 
 def saved_bytes_per_layer_token(config: GPTConfig, seq_len: int, *, precision: str = "fp32",
@@ -464,15 +477,25 @@ def estimate_activations(config: GPTConfig, *, batch_size: int, seq_len: int, pr
 def _state_shards(mesh: Mapping[str, int] | None) -> int:
     """How many devices share (shard) params, grads and optimizer state: the ``fsdp`` axis of ``mesh``.
     A ``data`` axis replicates them (``batch_size`` is always per device)."""
+    return _mesh_sizes(mesh).get("fsdp", 1)
+
+
+def _mesh_sizes(mesh: Mapping[str, int] | None) -> dict[str, int]:
     if not mesh:
-        return 1
+        return {}
     unknown = sorted(set(mesh) - {"data", "fsdp"})
     if unknown:
         raise AccountError(f"mesh axes {unknown} are not understood; use 'data' and/or 'fsdp'")
     for k, v in mesh.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise AccountError(f"mesh[{k!r}] = {v!r}: must be a positive integer")
-    return mesh.get("fsdp", 1)
+    return dict(mesh)
+
+
+def mesh_devices(mesh: Mapping[str, int] | None) -> int:
+    """Devices in ``mesh`` (``data * fsdp``; 1 without a mesh)."""
+    sizes = _mesh_sizes(mesh)
+    return sizes.get("data", 1) * sizes.get("fsdp", 1)
 
 
 def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None = None, precision: str = "fp32",
@@ -498,7 +521,8 @@ def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None =
         params=per_device(4 * n), grads=per_device(4 * n),
         grad_accumulator=per_device(4 * n) if grad_accum > 1 else 0,
         optimizer_state=per_device(OPTIMIZER_STATES[optimizer] * 4 * n),
-        weight_copies=weight_copies, activations=acts, device_bytes=device_bytes, state_shards=shards)
+        weight_copies=weight_copies, activations=acts, device_bytes=device_bytes, state_shards=shards,
+        gathered_weights=4 * n if shards > 1 else 0)
 
 
 def _validate(config: GPTConfig, *, batch_size: Any, seq_len: Any, precision: str, optimizer: str,
@@ -536,12 +560,15 @@ class Account:
     memory: MemoryEstimate
     flops_per_token: float  # training (fwd + bwd), exact matmuls, full attention
     flops_per_token_causal: float
-    flops_per_step: int
+    flops_per_step: int  # per device
     peak_flops: float
+    mesh: Mapping[str, int] | None = None  # {"data": D, "fsdp": F}; None: one device
+    devices: int = 1  # D x F: every one runs batch_size sequences per micro-step
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len * self.grad_accum
+        """Tokens per optimizer step over all devices."""
+        return self.batch_size * self.seq_len * self.grad_accum * self.devices
 
     @property
     def step_time_s(self) -> float:
@@ -553,11 +580,11 @@ class Account:
 
     @property
     def train_time_s(self) -> float:
-        return self.tokens * self.flops_per_token / (self.peak_flops * self.mfu)
+        return self.tokens * self.flops_per_token / (self.peak_flops * self.mfu * self.devices)
 
     @property
     def train_cost_dollars(self) -> float:
-        return self.train_time_s / 3600 * self.dollars_per_hour
+        return self.train_time_s / 3600 * self.dollars_per_hour * self.devices
 
     def to_dict(self) -> dict[str, Any]:
         from jaxgpt.config import to_dict
@@ -574,7 +601,8 @@ class Account:
                        conventions_per_token={c.name: c.flops_per_token for c in conventions(self.config, self.seq_len)}),
             peak_flops=self.peak_flops, mfu=self.mfu, step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
             train_tokens=self.tokens, train_time_s=self.train_time_s, dollars_per_hour=self.dollars_per_hour,
-            train_cost_dollars=self.train_cost_dollars,
+            train_cost_dollars=self.train_cost_dollars, mesh=dict(self.mesh) if self.mesh else None,
+            devices=self.devices,
         )
 
     def table(self) -> str:
@@ -582,16 +610,20 @@ class Account:
         out = [f"== {self.model_name}: n_layer={cfg.n_layer} n_head={cfg.n_head} n_embd={cfg.n_embd} "
                f"vocab={cfg.vocab_size}" + (f" (padded {cfg.vocab_rows})" if cfg.vocab_rows != cfg.vocab_size else "")
                + f" block_size={cfg.block_size}",
-               f"   batch {self.batch_size} x seq {self.seq_len} x grad_accum {self.grad_accum} = "
+               f"   batch {self.batch_size} x seq {self.seq_len} x grad_accum {self.grad_accum}"
+               + (f" x {self.devices} devices" if self.devices > 1 else "") + f" = "
                f"{self.tokens_per_step:,} tokens/step; {self.precision} compute, fp32 params; {self.optimizer}; "
-               f"{self.attention} attention; device {self.device}", "",
+               f"{self.attention} attention; device {self.device}"
+               + (f"; mesh {' x '.join(f'{k}={v}' for k, v in self.mesh.items())}" if self.mesh else ""), "",
                "Parameters (lm_head tied to wte, counted once)"]
         for name, v in [("wte (token embedding)", p.wte), ("wpe (position embedding)", p.wpe),
                         ("attention (c_attn, c_proj)", p.attention), ("MLP (c_fc, c_proj)", p.mlp),
                         ("LayerNorm", p.layernorm), ("total", p.total), ("total without wpe (nanoGPT)", p.without_wpe),
                         ("non-embedding (Kaplan)", p.non_embedding)]:
             out.append(f"  {name:<34}{v:>16,}{v / p.total:>9.1%}")
-        out += ["", "Memory per device"]
+        out += ["", "Memory per device" + (f" (params, grads and optimizer state / fsdp = {m.state_shards}; "
+                                           f"activations of {self.batch_size} sequences)" if m.state_shards > 1
+                                           else "")]
         for name, v in m.rows():
             out.append(f"  {name:<48}{_fmt_bytes(v):>12}")
         if m.device_bytes:
@@ -602,11 +634,14 @@ class Account:
         out += ["", "FLOPs (matmuls; backward = 2 x forward)",
                 f"  per token: forward {self.flops_per_token / 3:,.0f}, training {self.flops_per_token:,.0f} "
                 f"(causal-halved {self.flops_per_token_causal:,.0f}; 6N = {6 * p.total:,})",
-                f"  per step: {self.flops_per_step:,} ({self.flops_per_step / 1e12:,.2f} TFLOP)", "",
+                f"  per step: {self.flops_per_step:,} ({self.flops_per_step / 1e12:,.2f} TFLOP)"
+                + (" per device" if self.devices > 1 else ""), "",
                 f"Time at {self.mfu:.0%} MFU of {self.peak_flops / 1e12:,.1f} TFLOP/s ({self.matmul_dtype} dense peak)",
-                f"  step {self.step_time_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s",
+                f"  step {self.step_time_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s"
+                + (f" on {self.devices} devices" if self.devices > 1 else ""),
                 f"  {self.tokens:,.3g} tokens: {_fmt_time(self.train_time_s)}, "
-                f"${self.train_cost_dollars:,.2f} at ${self.dollars_per_hour:.2f}/hour"]
+                f"${self.train_cost_dollars:,.2f} at ${self.dollars_per_hour:.2f}/hour"
+                + (f" per device x {self.devices}" if self.devices > 1 else "")]
         return "\n".join(out)
 
 
@@ -641,7 +676,7 @@ def account(config: GPTConfig, *, batch_size: int = 8, seq_len: int | None = Non
                    attention=attn, mfu=float(mfu), tokens=float(tokens), dollars_per_hour=float(price), params=params,
                    memory=mem, flops_per_token=fc.per_token()["training"],
                    flops_per_token_causal=fch.per_token()["training"], flops_per_step=fc.training_per_step,
-                   peak_flops=peak_flops(dev, mdt))
+                   peak_flops=peak_flops(dev, mdt), mesh=dict(mesh) if mesh else None, devices=mesh_devices(mesh))
 
 
 # ---- formatting -------------------------------------------------------------------------------------------
@@ -703,7 +738,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="gpt2", help=f"preset name: {', '.join(sorted(PRESETS))} (default gpt2)")
     src.add_argument("--config", type=Path, help="a YAML config (a model mapping, or a file with a 'model:' key)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per micro-step per device (default 8)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch", type=int, default=None, help="sequences per micro-step per device (default 8)")
+    batch.add_argument("--global-batch", type=int, default=None,
+                       help="sequences per micro-step over all devices of --mesh (split evenly)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default block_size)")
     p.add_argument("--precision", default="bf16", help="fp32 or bf16 compute (params stay fp32); default bf16")
     p.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_STATES)} (default adamw)")
@@ -716,11 +754,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dollars-per-hour", type=float, default=None, help="price of one device (default per device)")
     p.add_argument("--remat", action="store_true", help="activations with per-block rematerialisation")
     p.add_argument("--fsdp", type=int, default=1, help="devices sharding params/grads/optimizer state (default 1)")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,fsdp=4 (jaxgpt.mesh; memory per device, "
+                   "time and cost for all of them); an axis left out or -1 counts as 1")
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--dtypes", action="store_true", help="also print the floating-point data types table")
     p.add_argument("--devices", action="store_true", help="also print the device peak table")
     p.add_argument("--conventions", action="store_true", help="also print others' FLOP conventions")
     return p
+
+
+def _cli_mesh(args: argparse.Namespace) -> dict[str, int] | None:
+    if args.mesh is None:
+        return {"fsdp": args.fsdp} if args.fsdp != 1 else None
+    from jaxgpt.mesh import MeshConfig
+
+    if args.fsdp != 1:
+        raise AccountError("give --mesh or --fsdp, not both (--mesh data=1,fsdp=8 is --fsdp 8)")
+    cfg = MeshConfig.parse(args.mesh)
+    return {"data": max(cfg.data, 1), "fsdp": max(cfg.fsdp, 1)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -731,11 +782,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             config, name = GPTConfig.from_yaml(args.config), str(args.config)
         else:
             config, name = GPTConfig.preset(args.model), args.model
-        acc = account(config, batch_size=args.batch, seq_len=args.seq_len, precision=args.precision,
+        mesh = _cli_mesh(args)
+        batch = args.batch if args.batch is not None else 8
+        if args.global_batch is not None:
+            n = mesh_devices(mesh)
+            if args.global_batch <= 0 or args.global_batch % n:
+                raise AccountError(f"--global-batch = {args.global_batch}: must be a positive multiple of the "
+                                   f"mesh's {n} devices")
+            batch = args.global_batch // n
+        acc = account(config, batch_size=batch, seq_len=args.seq_len, precision=args.precision,
                       optimizer=args.optimizer, grad_accum=args.grad_accum, device=args.device, mfu=args.mfu,
                       tokens=args.tokens, dollars_per_hour=args.dollars_per_hour, remat=args.remat,
-                      matmul_dtype=args.matmul_dtype, attention=args.attention, model_name=name,
-                      mesh={"fsdp": args.fsdp} if args.fsdp != 1 else None)
+                      matmul_dtype=args.matmul_dtype, attention=args.attention, model_name=name, mesh=mesh)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

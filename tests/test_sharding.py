@@ -84,6 +84,42 @@ def test_shardings_on_one_device():
     assert describe(mesh) == "data=1 x fsdp=1 (1 devices, 1 process)"
 
 
+# ---- accounting on a mesh -------------------------------------------------------------------------------
+def test_account_per_device_memory_on_a_mesh(capsys):
+    from jaxgpt import account as acc
+    from jaxgpt.config import GPTConfig
+
+    assert acc.main(["--device", "h100", "--mesh", "data=1,fsdp=8", "--model", "gpt2-xl", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    n = acc.count_params(GPTConfig.preset("gpt2-xl")).total
+    m = d["memory"]
+    assert d["mesh"] == {"data": 1, "fsdp": 8} and d["devices"] == 8 and m["state_shards"] == 8
+    assert m["params"] == m["grads"] == -(-4 * n // 8)  # sharded by fsdp
+    assert m["optimizer_state"] == -(-8 * n // 8)  # AdamW's two moments
+    assert m["gathered_weights"] == 4 * n  # the all-gathered fp32 weights, transient
+    single = acc.estimate_memory(GPTConfig.preset("gpt2-xl"), batch_size=8, precision="bf16", attention="cudnn")
+    assert m["activations"]["total"] == single.activations.total  # same per-device batch
+    assert m["total"] < single.total - 8 * n  # FSDP saves more than the optimizer state of one replica
+    one = acc.account(GPTConfig.preset("gpt2-xl"), batch_size=8, precision="bf16", device="h100")
+    assert d["train_time_s"] == pytest.approx(one.train_time_s / 8)  # 8 devices
+    assert d["train_cost_dollars"] == pytest.approx(one.train_cost_dollars)
+    assert d["tokens_per_step"] == 8 * 1024 * 8
+
+    # a global batch is split over the mesh: activations of 64 / (2 x 4) = 8 sequences per device
+    assert acc.main(["--mesh", "data=2,fsdp=4", "--global-batch", "64", "--model", "gpt2-xl", "--json"]) == 0
+    g = json.loads(capsys.readouterr().out)
+    assert g["batch_size"] == 8 and g["memory"]["activations"] == m["activations"]
+    assert g["memory"]["params"] == -(-4 * n // 4)
+    assert acc.main(["--mesh", "data=2,fsdp=4", "--model", "gpt2-xl"]) == 0
+    table = capsys.readouterr().out
+    assert "mesh data=2 x fsdp=4" in table and "FSDP all-gathered weights (transient)" in table
+    for argv, match in [(["--mesh", "data=2,fsdp=4", "--global-batch", "12"], "multiple of the mesh's 8 devices"),
+                        (["--mesh", "fsdp=8", "--fsdp", "8"], "give --mesh or --fsdp, not both"),
+                        (["--mesh", "tensor=2"], "unknown axis 'tensor'")]:
+        assert acc.main(argv) == 2
+        assert match in capsys.readouterr().err
+
+
 # ---- multi-device runs ----------------------------------------------------------------------------------
 def _start(devices: int, *args: str) -> subprocess.Popen:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
