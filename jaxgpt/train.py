@@ -654,7 +654,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     summary = {"steps": cfg.max_steps, "start_step": start_step, "train_loss": last.get("loss"),
                "val_loss": val_loss, "wall_s": wall, "compile_s": compile_s,
                "tokens_per_s": steady_tokens / steady_time if steady_time else None,
-               "tokens": cfg.max_steps * tokens_per_step, "run_dir": str(run_dir)}
+               "tokens": cfg.max_steps * tokens_per_step, "run_dir": str(run_dir),
+               "mesh": {k: int(v) for k, v in mesh.shape.items()}, "processes": pcount}
     say(f"done: step {final_step}, train loss {summary['train_loss']}, val loss {val_loss}, "
         f"{wall:.1f} s wall, " + (f"{summary['tokens_per_s']:,.0f} tok/s (steady), " if steady_time else "")
         + f"run dir {run_dir}")

@@ -254,6 +254,8 @@ def test_train_cli_two_processes_match_one_then_resume_in_one(tmp_path):
     assert (tmp_path / "two" / "metrics.jsonl").read_text().count('"type": "train"') == 4  # ... writes nothing
     assert sorted(int(p.name) for p in (tmp_path / "two" / "checkpoints").iterdir()) == [2, 4]
     assert "--- sample 0 (step 4) ---" in (tmp_path / "two" / "samples.txt").read_text()
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 2, "fsdp": 2} and summary["processes"] == 2
     from jaxgpt.train import read_metrics
 
     def losses(d):
