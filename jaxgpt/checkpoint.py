@@ -130,7 +130,7 @@ class Checkpoints:
         self.directory = checkpoint_dir(run_dir)
         if read_only and not self.directory.is_dir():
             raise NoCheckpointError(f"{self.directory}: no checkpoints here (is {run_dir} a run directory?)")
-        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save at INFO
+        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save (and read-only notes)
         self.manager = ocp.CheckpointManager(
             self.directory,
             item_names=ITEMS,
