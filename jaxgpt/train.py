@@ -468,18 +468,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     from jaxgpt.precision import Policy
 
     t_start = time.perf_counter()
-    run_dir = Path(cfg.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     pcount, pindex = jax.process_count(), jax.process_index()
-    is_main = pindex == 0  # writes the run directory's files (all processes save checkpoints together)
-    micro_steps = cfg.micro_steps(pcount)
-    tokens_per_step = micro_steps * cfg.batch_size * cfg.seq_len * pcount
-    say = tqdm.write if is_main else (lambda *_a, **_k: None)
-    mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh = mesh_lib.make_mesh(cfg.mesh)  # (configuration errors before anything is written)
     local_devices = sum(d.process_index == pindex for d in mesh.devices.flat)
     if cfg.batch_size % local_devices:
         raise ConfigError(f"TrainConfig.batch_size = {cfg.batch_size}: must be a multiple of the devices per process "
                           f"({local_devices}): every device takes the same number of rows of each micro-batch")
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    is_main = pindex == 0  # writes the run directory's files (all processes save checkpoints together)
+    micro_steps = cfg.micro_steps(pcount)
+    tokens_per_step = micro_steps * cfg.batch_size * cfg.seq_len * pcount
+    say = tqdm.write if is_main else (lambda *_a, **_k: None)
 
     # ---- data -----------------------------------------------------------------------------------------
     data_dir = cfg.resolved_data_dir()

@@ -277,3 +277,28 @@ def test_train_cli_two_processes_match_one_then_resume_in_one(tmp_path):
     np.testing.assert_allclose([got[k] for k in sorted(want)], [want[k] for k in sorted(want)], rtol=1e-6, atol=0)
     assert (tmp_path / "two" / "samples.txt").read_text().split("(step 6) ---")[1] == \
         (tmp_path / "one" / "samples.txt").read_text().split("(step 6) ---")[1]
+
+
+def test_train_config_mesh_and_distributed_fields(tmp_path, capsys):
+    from jaxgpt.mesh import MeshConfig
+    from jaxgpt.train import TrainConfig, main, parse_args
+
+    tiny = ["--config", str(REPO / "configs/tiny-test.yaml")]
+    path, overrides, _ = parse_args(tiny + ["--mesh=data=2,fsdp=4", "--distributed.coordinator=10.0.0.1:1234",
+                                            "--distributed.num_processes=2", "--distributed.process_id=1",
+                                            "--distributed.init_timeout=30"])
+    cfg = TrainConfig.load(path, overrides)
+    assert cfg.mesh == MeshConfig(2, 4)
+    assert (cfg.distributed.coordinator, cfg.distributed.num_processes, cfg.distributed.process_id,
+            cfg.distributed.init_timeout) == ("10.0.0.1:1234", 2, 1, 30)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # round trip (config.yaml)
+    assert TrainConfig.load(path, {"mesh.fsdp": 1}).mesh == MeshConfig(-1, 1)
+    # errors name the field, before anything is written (this process has 1 device)
+    out = tmp_path / "never"
+    assert main(tiny + [f"--out_dir={out}", "--mesh=data=2"]) == 2
+    assert "data * fsdp = 2 * 1 = 2 must equal the number of devices (1)" in capsys.readouterr().err
+    assert main(tiny + [f"--out_dir={out}", "--mesh.fsdp=0"]) == 2
+    assert "MeshConfig.fsdp = 0: must be an integer >= 1, or -1" in capsys.readouterr().err
+    assert main(tiny + [f"--out_dir={out}", "--distributed.coordinator=nohost"]) == 2
+    assert "expected host:port" in capsys.readouterr().err
+    assert not out.exists()
