@@ -11,8 +11,9 @@ A run's devices form a 2-D mesh with axes ``('data', 'fsdp')`` (:class:`MeshConf
 
 ``data=-1, fsdp=1`` (the default) is pure data parallelism (the params and optimizer state replicated on
 every device, gradients all-reduced); ``data=1, fsdp=-1`` is pure FSDP / ZeRO-3 (each device holds
-``1 / fsdp`` of the params, gradients and optimizer state; the train step all-gathers the weights for the
-forward/backward and reduce-scatters the gradients); anything in between is a hybrid (FSDP inside groups of
+``1 / fsdp`` of the params, accumulated gradients and optimizer state; the train step all-gathers the
+weights inside each micro-step's forward/backward, which holds the full weights transiently, and
+reduce-scatters the gradients); anything in between is a hybrid (FSDP inside groups of
 ``fsdp`` devices, data parallel across groups; keep ``fsdp`` within one host, where links are fast).
 
 The rule depends only on an array's shape (and the ``fsdp`` size), so a param and its Adam moments always
