@@ -297,6 +297,8 @@ def device_peak_flops(dtype: str) -> tuple[float | None, str]:
     from jaxgpt import account
 
     dev = jax.local_devices()[0]
+    if dev.platform == "gpu" and dtype == "float32" and jax.config.jax_default_matmul_precision in (None, "default"):
+        dtype = "tf32"  # JAX runs fp32 matmuls on TF32 tensor cores unless precision is pinned
     try:
         peak = float(account.peak_flops(dev, dtype))
     except account.AccountError as e:  # an unknown device: no MFU, but train anyway
