@@ -139,6 +139,14 @@ def write(path: Path | None = None) -> Path:
         "and the JSON files hold it per worker.",
         "",
     ]
+    loads = [r["loadavg_start"][0] for r in [*train.values(), gen] if r] + [r["loadavg_end"][0] for r in
+                                                                          [*train.values(), gen] if r]
+    if loads and max(loads) > 2.0:
+        out += [f"> **Noisy**: these results were measured while other jobs shared the 2 cores (1-minute load "
+                f"average {min(loads):.1f} to {max(loads):.1f}, i.e. the machine was oversubscribed up to "
+                f"{max(loads) / 2:.0f}x). Absolute numbers are several times below an idle machine's and even "
+                "same-run ratios carry wide min-max ranges (see each table). Re-run `python -m benchmarks.run_all` "
+                "on an idle machine for numbers to quote.", ""]
     tr = targets(train, gen)
     if tr:
         out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
