@@ -139,14 +139,14 @@ def write(path: Path | None = None) -> Path:
         "and the JSON files hold it per worker.",
         "",
     ]
-    loads = [r["loadavg_start"][0] for r in [*train.values(), gen] if r] + [r["loadavg_end"][0] for r in
-                                                                          [*train.values(), gen] if r]
-    if loads and max(loads) > 2.0:
-        out += [f"> **Noisy**: these results were measured while other jobs shared the 2 cores (1-minute load "
-                f"average {min(loads):.1f} to {max(loads):.1f}, i.e. the machine was oversubscribed up to "
-                f"{max(loads) / 2:.0f}x). Absolute numbers are several times below an idle machine's and even "
-                "same-run ratios carry wide min-max ranges (see each table). Re-run `python -m benchmarks.run_all` "
-                "on an idle machine for numbers to quote.", ""]
+    named = [(f"train_step {k}", r) for k, r in train.items()] + ([("generate", gen)] if gen else [])
+    noisy = [(n, r) for n, r in named if max(r["loadavg_start"][0], r["loadavg_end"][0]) > 2.0]
+    if noisy:
+        out += ["> **Noisy results**: the 2 cores were shared with other jobs while these ran (1-minute load "
+                "average, start -> end): " + "; ".join(f"{n} {r['loadavg_start'][0]:.1f} -> {r['loadavg_end'][0]:.1f}"
+                                                       for n, r in noisy)
+                + ". Oversubscription slows torch (OpenMP spin-waits) more than JAX, so even same-run ratios from "
+                "those runs are biased; re-run them on an idle machine before quoting them.", ""]
     tr = targets(train, gen)
     if tr:
         out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
