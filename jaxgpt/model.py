@@ -108,8 +108,10 @@ def attention(
     if impl == "reference":
         return reference_attention(q, k, v, policy=policy, mask=mask, dropout_rate=dropout_rate,
                                    dropout_key=dropout_key)
-    if mask is not None and impl == "cudnn":
+    if mask is not None and impl in ("cudnn", "einsum"):
         impl = "xla"  # decoding steps (one query against a cache) take XLA's path
+    if impl == "einsum":
+        return ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)
     y = jax.nn.dot_product_attention(policy.cast(q), policy.cast(k), policy.cast(v), mask=mask,
                                      is_causal=mask is None, implementation=impl)
     return y.astype(jnp.float32)

@@ -28,14 +28,16 @@ from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
 DType = Literal["float32", "bfloat16"]
-Attention = Literal["auto", "xla", "cudnn", "reference"]
+Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
-    attention: Attention = "auto"  # auto: cuDNN on GPU with bf16 compute, XLA's fused path otherwise
+    # auto: cuDNN on GPU with bf16 compute; on CPU (with fast_kernels) jaxgpt.ops.causal_attention ("einsum":
+    # plain einsums with a hand-written backward); XLA's jax.nn.dot_product_attention path otherwise
+    attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: bf16-friendly matmul VJP, chunked fused lm_head cross-entropy
 
@@ -94,11 +96,13 @@ class Policy:
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         return self.einsum("...i,io->...o", x, w)
 
-    def attention_impl(self) -> Literal["xla", "cudnn", "reference"]:
+    def attention_impl(self) -> Literal["xla", "cudnn", "einsum", "reference"]:
         if self.attention != "auto":
             return self.attention
-        on_gpu = jax.default_backend() == "gpu"
-        return "cudnn" if on_gpu and self.compute_dtype == "bfloat16" else "xla"
+        backend = jax.default_backend()
+        if backend == "gpu" and self.compute_dtype == "bfloat16":
+            return "cudnn"
+        return "einsum" if backend == "cpu" and self.fast_kernels else "xla"
 
 
 def default_compute() -> str:

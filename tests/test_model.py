@@ -208,10 +208,11 @@ def test_checks_are_static_under_jit():
 
 
 # ---- attention paths and the KV cache --------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["xla", "einsum"])
 @pytest.mark.parametrize("config", [TINY, ODD], ids=["tiny", "odd"])
-def test_xla_attention_equals_reference_fp32(config):
+def test_fused_attention_equals_reference_fp32(config, attention):
     idx = tokens(2, config.block_size, seed=3)
-    fused = model(config, attention="xla")
+    fused = model(config, attention=attention)
     ref = model(config, attention="reference")
     (a, loss_a), (b, loss_b) = fwd_and_loss(fused, idx, idx), fwd_and_loss(ref, idx, idx)
     assert np.abs(np.asarray(a) - np.asarray(b)).max() <= SELF_FP32_ATOL
@@ -301,7 +302,7 @@ def _dots(hlo: str) -> list[tuple[str, str, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("attention", ["reference", "xla"])
+@pytest.mark.parametrize("attention", ["reference", "xla", "einsum"])
 def test_bf16_policy_every_dot_is_bf16_in_fp32_out(attention):
     """Every matmul of the forward pass and the loss takes bf16 operands and accumulates into an fp32 result;
     no fp32 x fp32 dot sneaks in (that would be a silent 2x slowdown and a different numerics)."""
@@ -326,7 +327,7 @@ def test_bf16_policy_every_dot_is_bf16_in_fp32_out(attention):
         for lhs, rhs, res, res_type in dots:
             assert (lhs, rhs) == ("bf16", "bf16"), f"{name}: dot with {lhs} x {rhs} operands: {res_type}"
         bf16_out = [t for *_, res, t in dots if res != "f32"]
-        if attention == "reference":
+        if attention in ("reference", "einsum"):
             assert not bf16_out, f"{name}: dots without an fp32 result: {bf16_out}"
         else:
             # jax.nn.dot_product_attention(implementation="xla") computes probs @ v with a bf16 result (jax's

@@ -1,0 +1,158 @@
+"""jaxgpt.ops, each fast kernel against the plain expression it replaces (values and gradients).
+
+fp32 with ``matmul_precision="highest"``: the kernels must agree with the plain autodiff to fp32 rounding.
+bf16 operands: they must agree with the plain expression evaluated with the same bf16 operands (the
+kernels change *how* XLA runs the matmuls, never which numbers they multiply), to bf16-level tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import ops
+from jaxgpt.model import reference_attention
+from jaxgpt.precision import Policy
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _rand(key, shape, scale=1.0):
+    return scale * jax.random.normal(jax.random.PRNGKey(key), shape, F32)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+# ---- fused lm_head + cross-entropy -------------------------------------------------------------------------
+def _plain_ce(h, w, t, vocab_size, dtype, precision):
+    logits = jnp.einsum("btc,vc->btv", h.astype(dtype), w.astype(dtype), precision=precision,
+                        preferred_element_type=F32)[..., :vocab_size]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, t[..., None], axis=-1))
+
+
+@pytest.mark.parametrize("budget, n_chunks", [(None, 1), (5 * 72, 3), (4 * 72, 4)],
+                         ids=["one-chunk", "3-chunks", "4-chunks-padded-rows"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_cross_entropy_matches_plain(monkeypatch, budget, n_chunks, dtype):
+    """Loss, dh and dw of the chunked fused loss equal the plain logits -> log_softmax -> mean NLL, over a
+    padded vocabulary (72 rows, 67 real: the padded columns must take no probability), with one chunk (the
+    scan is inlined: the path where XLA would fold the dW transpose into the dot), and with several chunks
+    (batch 3 x seq 5 = 15 rows: 3 chunks of 5, or 4 chunks of 4 with one padded row)."""
+    if budget is not None:
+        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS", budget)
+    B, T, C, Vp, V = 3, 5, 16, 72, 67
+    assert -(-B * T // ops._chunk_rows(B * T, Vp)) == n_chunks
+    h, w = _rand(0, (B, T, C)), _rand(1, (Vp, C), 0.5)
+    w = w.at[V:].set(_rand(2, (Vp - V, C), 3.0))  # large padded rows: any leak into the softmax would show
+    t = jax.random.randint(jax.random.PRNGKey(3), (B, T), 0, V)
+    dt = jnp.dtype(dtype)
+    prec = HIGHEST if dtype == "float32" else None
+    fused = jax.jit(jax.value_and_grad(
+        lambda h, w: ops.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=dt, precision=prec), argnums=(0, 1)))
+    plain = jax.jit(jax.value_and_grad(lambda h, w: _plain_ce(h, w, t, V, dt, prec), argnums=(0, 1)))
+    (lf, (dhf, dwf)), (lp, (dhp, dwp)) = fused(h, w), plain(h, w)
+    tol = 2e-6 if dtype == "float32" else 2e-2  # bf16: dlogits are rounded to bf16 before the two matmuls
+    assert abs(float(lf) - float(lp)) <= 1e-6 * abs(float(lp))  # the forward is fp32 from the same products
+    assert _rel(dhf, dhp) <= tol and _rel(dwf, dwp) <= tol, (_rel(dhf, dhp), _rel(dwf, dwp))
+    assert not np.asarray(dwf[V:]).any()  # padded rows get exactly no gradient
+
+
+def test_fused_cross_entropy_gradient_scales_with_the_cotangent():
+    h, w = _rand(0, (2, 4, 8)), _rand(1, (16, 8))
+    t = jnp.zeros((2, 4), jnp.int32)
+    f = lambda h: ops.lm_head_cross_entropy(h, w, t, vocab_size=16, dtype=F32, precision=HIGHEST)  # noqa: E731
+    g1 = jax.grad(f)(h)
+    g3 = jax.grad(lambda h: 3.0 * f(h))(h)
+    np.testing.assert_allclose(np.asarray(g3), 3.0 * np.asarray(g1), rtol=1e-6)
+
+
+# ---- bf16 matmul with a bf16 backward ---------------------------------------------------------------------
+def test_matmul_matches_plain_bf16_dot():
+    x, w, g = _rand(0, (3, 7, 24)), _rand(1, (24, 40)), _rand(2, (3, 7, 40))
+
+    def plain(x, w):
+        return jnp.einsum("...i,io->...o", x.astype(BF16), w.astype(BF16), preferred_element_type=F32)
+
+    fast = lambda x, w: ops.matmul(x, w, dtype=BF16)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.jit(fast)(x, w)), np.asarray(jax.jit(plain)(x, w)))
+    gf = jax.jit(jax.grad(lambda x, w: jnp.sum(fast(x, w) * g), argnums=(0, 1)))(x, w)
+    gp = jax.jit(jax.grad(lambda x, w: jnp.sum(plain(x, w) * g), argnums=(0, 1)))(x, w)
+    for a, b in zip(gf, gp):  # both round g to bf16 for the backward matmuls; the fp32 sums may differ in order
+        assert _rel(a, b) <= 1e-2
+        assert a.dtype == F32
+
+
+# ---- causal attention -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(2, 16, 2, 8), (1, 37, 3, 16)], ids=["tiny", "odd"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_causal_attention_matches_reference(shape, dtype):
+    """Output and q/k/v gradients of ops.causal_attention (hand-written backward) equal the autodiff of
+    model.reference_attention (plain einsums, causal mask, fp32 softmax)."""
+    q, k, v, g = (_rand(i, shape) for i in range(4))
+    policy = Policy(compute_dtype=dtype, matmul_precision="highest" if dtype == "float32" else "default")
+    fast = lambda q, k, v: ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)  # noqa: E731
+    ref = lambda q, k, v: reference_attention(q, k, v, policy=policy)  # noqa: E731
+    yf, yr = jax.jit(fast)(q, k, v), jax.jit(ref)(q, k, v)
+    gf = jax.jit(jax.grad(lambda *a: jnp.sum(fast(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    gr = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    if dtype == "float32":
+        assert _rel(yf, yr) <= 1e-6
+        for name, a, b in zip("qkv", gf, gr):
+            assert _rel(a, b) <= 1e-5, name
+    else:  # same bf16 products; the backward rounds g, P and dS to bf16 where the autodiff may keep fp32
+        assert _rel(yf, yr) <= 1e-6
+        for name, a, b in zip("qkv", gf, gr):
+            assert _rel(a, b) <= 3e-2, name
+    assert yf.dtype == F32 and all(a.dtype == F32 for a in gf)
+
+
+def test_causal_attention_is_causal():
+    """Changing a later key/value never changes an earlier output, nor its gradient w.r.t. earlier inputs."""
+    q, k, v = (_rand(i, (1, 8, 2, 4)) for i in range(3))
+    f = jax.jit(lambda q, k, v: ops.causal_attention(q, k, v, dtype=F32, precision=HIGHEST))
+    k2, v2 = k.at[:, 5:].add(10.0), v.at[:, 5:].add(10.0)
+    np.testing.assert_array_equal(np.asarray(f(q, k, v)[:, :5]), np.asarray(f(q, k2, v2)[:, :5]))
+    dq = jax.grad(lambda q: jnp.sum(f(q, k, v)[:, :5]))(q)
+    assert not np.asarray(dq[:, 5:]).any()
+
+
+def test_cpu_default_attention_is_the_einsum_kernel():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU default")
+    assert Policy.bf16().attention_impl() == "einsum"
+    assert Policy.fp32().attention_impl() == "einsum"
+    assert Policy.bf16(fast_kernels=False).attention_impl() == "xla"
+    assert Policy.bf16(attention="xla").attention_impl() == "xla"
+
+
+def test_bf16_train_grads_have_no_fp32_dots():
+    """In the *compiled* bf16 gradient (what XLA:CPU runs after its operand upcaster), every dot takes bf16
+    operands: the fast kernels exist to keep autodiff's transposed backward dots from being run in fp32."""
+    from flax import nnx
+
+    from benchmarks.profile_step import parse_dots
+    from jaxgpt.config import GPTConfig
+    from jaxgpt.model import GPT
+
+    cfg = GPTConfig.preset("tiny")
+    m = GPT(cfg, policy=Policy.bf16(), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+    x = jnp.zeros((2, 16), jnp.int32)
+
+    def loss(params):
+        return nnx.merge(graphdef, params, rest).loss(x, x)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    dots = parse_dots(hlo)
+    assert len(dots) >= 6 * 3 * cfg.n_layer  # 6 matmuls per layer, forward + 2 backward each
+    fp32 = [d for d in dots if "f32" in d["operand_dtypes"]]
+    assert not fp32, fp32[:3]
