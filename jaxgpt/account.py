@@ -32,6 +32,7 @@ ln_2 output                            C            cd         c_fc weight gradi
 c_fc output (GELU input)               4C           fp32       GELU backward
 GELU output                            4C           cd         mlp.c_proj weight gradient
 attention T x T, XLA path              4 N T        fp32       softmax backward (P), dV (P), see below
+attention, einsum path (CPU default)   N T + C      fp32       P for dV and dS; y for rowsum(dO * y)
 attention, flash/cuDNN path            N            fp32       log-sum-exp per row (no T x T at all)
 =====================================  ===========  =========  ============================================
 
@@ -42,7 +43,8 @@ jaxgpt's XLA path (``jax.nn.dot_product_attention(implementation="xla")``, with 
 as a select) keeps **four** fp32 T x T tensors per head alive into the backward as compiled by XLA:CPU
 (masked scores, exp(s - max), and the probabilities in two layouts, one per backward matmul), measured
 as 15-16 bytes per (head, query, key) in ``memory_analysis()``; that is what is counted for ``xla``.
-On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
+On CPU, jaxgpt's default is ``jaxgpt.ops.causal_attention`` (``einsum``): its hand-written backward saves one fp32
+copy of P and the fp32 output y. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).
 
 Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and the backward's transient
@@ -94,8 +96,8 @@ GiB = 1 << 30
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
 PRECISIONS = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp8")
-ATTENTION_IMPLS = ("xla", "cudnn")
-CE_CHUNK_ELEMENTS = 1 << 23  # jaxgpt.ops._chunk_rows budget: fp32 logits per chunk
+ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
+CE_CHUNK_ELEMENTS = 1 << 25  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
 
 
 class AccountError(ConfigError):
@@ -279,8 +281,11 @@ def default_matmul_dtype(precision: str, device: str) -> str:
 
 
 def default_attention(precision: str, device: str) -> str:
-    """What ``Policy(attention="auto")`` picks: cuDNN fused attention on GPU with bf16, XLA's path otherwise."""
-    return "cudnn" if precision == "bf16" and resolve_device(device) != "cpu" else "xla"
+    """What ``Policy(attention="auto")`` picks: cuDNN fused attention on GPU with bf16, jaxgpt.ops' einsum
+    kernel on CPU, XLA's path otherwise."""
+    if resolve_device(device) == "cpu":
+        return "einsum"
+    return "cudnn" if precision == "bf16" else "xla"
 
 
 # ---- data types -------------------------------------------------------------------------------------------
@@ -449,7 +454,8 @@ def saved_bytes_per_layer_token(config: GPTConfig, seq_len: int, *, precision: s
     cd = 4 if precision == "fp32" else 2
     fp32_elems = (C + 1) + (C + 1) + 4 * C  # LayerNorm centred inputs + 1/std, GELU input
     cd_elems = C + 3 * C + C + C + 4 * C  # matmul inputs: ln_1 out, q k v, y, ln_2 out, GELU out
-    tt = 4 * 4 * N * T if attention == "xla" else 4 * N  # 4 fp32 T x T per head; flash: log-sum-exp
+    # xla: 4 fp32 T x T per head; einsum: one (P) and the fp32 output; flash: one log-sum-exp per head
+    tt = {"xla": 4 * 4 * N * T, "einsum": 4 * N * T + 4 * C}.get(attention, 4 * N)
     return 4 * fp32_elems + cd * cd_elems + tt
 
 
@@ -466,7 +472,8 @@ def estimate_activations(config: GPTConfig, *, batch_size: int, seq_len: int, pr
     Vp = config.vocab_rows
     if fast_kernels:
         rows = min(M, max(1, CE_CHUNK_ELEMENTS // Vp))
-        loss = 2 * 4 * rows * Vp + 4 * M * C + 4 * C * Vp
+        # one chunk's fp32 logits (exp(logits - max) reuses them) and its bf16 gradient; dh; the fp32 dW carry
+        loss = (4 + 2) * rows * Vp + 4 * M * C + 4 * C * Vp
     else:
         loss = 2 * 4 * M * config.vocab_size
     transient = 8 * 4 * C * M

@@ -67,12 +67,14 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a.ravel(), b.ravel()) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2"])
-def test_fp32_gradients_agree(name, device, hf_checkpoint, parity_report):
+@pytest.mark.parametrize("name,attention", [("tiny", "einsum"), ("tiny", "xla"), ("gpt2", "einsum"),
+                                            pytest.param("gpt2", "xla", marks=pytest.mark.slow)])
+def test_fp32_gradients_agree(name, attention, device, hf_checkpoint, parity_report):
+    """einsum: ops.causal_attention's hand-written backward (the CPU default); xla: jax.nn.dot_product_attention."""
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):
-        g_jax = jax_grads(directory, x, y, Policy.fp32(attention="xla"))
+        g_jax = jax_grads(directory, x, y, Policy.fp32(attention=attention))
     g_ref = torch_grads(torch_from_hf(directory), x, y, device)
     g_hf = torch_grads(copy.deepcopy(hf), x, y, device, prefix="transformer.")
     assert set(g_jax) == set(g_ref) == set(g_hf), "every parameter has a gradient in all three"
@@ -83,7 +85,7 @@ def test_fp32_gradients_agree(name, device, hf_checkpoint, parity_report):
         assert not bad, f"{name} {pair}: relative gradient error above {GRAD_FP32_REL}: {bad}"
         worst[f"{pair}_max_rel"] = max(rels.values())
         worst[f"{pair}_max_abs"] = max(float(np.abs(a[k] - b[k]).max()) for k in b)
-    parity_report(f"grads_fp32_{name}_{device}", **worst)
+    parity_report(f"grads_fp32_{name}_{device}_{attention}", **worst)
 
 
 def test_tied_embedding_gradient_is_lookup_plus_head(device, hf_checkpoint, parity_report):

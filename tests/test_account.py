@@ -263,7 +263,8 @@ def _xla_temp(cfg, batch, seq, prec):
 ])
 def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
     temp = _xla_temp(cfg, batch, seq, prec)
-    est = acc.estimate_memory(cfg, batch_size=batch, seq_len=seq, precision=prec, attention="xla")
+    est = acc.estimate_memory(cfg, batch_size=batch, seq_len=seq, precision=prec,
+                              attention=acc.default_attention(prec, "cpu"))  # what Policy "auto" runs
     print(f"\nXLA temp {temp / 2**20:.2f} MiB, estimate {est.xla_temp / 2**20:.2f} MiB "
           f"(activations {est.activations.total / 2**20:.2f} MiB)")
     assert est.xla_temp == pytest.approx(temp, rel=0.20)
