@@ -242,6 +242,15 @@ def all_gather_params(params: Any, specs: Any) -> Any:
     return jax.tree.map(one, params, specs)
 
 
+def pmean(x: Any, axes: tuple[str, ...], mesh: Mesh) -> Any:
+    """``jax.lax.pmean(x, axes)`` inside ``shard_map``, skipped when those axes hold one device: XLA:CPU
+    still runs a one-device all-reduce as a copy (measured 7 ms/step on the small preset, 49 ms on gpt2)."""
+    n = 1
+    for a in axes:
+        n *= axis_size(mesh, a)
+    return x if n == 1 else jax.lax.pmean(x, axes)
+
+
 def mean_grads(grads: Any, specs: Any, mesh: Mesh) -> Any:
     """Inside ``shard_map``: the mean over all devices of per-device gradients (each device's loss is the
     mean over its rows; all devices hold equally many). FSDP-sharded leaves already hold the sum over their
@@ -253,9 +262,9 @@ def mean_grads(grads: Any, specs: Any, mesh: Mesh) -> Any:
 
     def one(g, spec):
         if FSDP_AXIS not in tuple(spec):
-            return jax.lax.pmean(g, axes)
+            return pmean(g, axes, mesh)
         g = g / fsdp
-        return jax.lax.pmean(g, others) if others else g
+        return pmean(g, others, mesh) if others else g
 
     return jax.tree.map(one, grads, specs)
 

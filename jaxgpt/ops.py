@@ -84,7 +84,7 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
 
 
 def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
-    """Loss sum over all rows, and (with_grad) d(sum)/dh and d(sum)/dw. h (M, C), w (V, C), targets (M,)."""
+    """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,)."""
     M, C = h.shape
     V = w.shape[0]
     rows = _chunk_rows(M, V)
@@ -116,7 +116,8 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
         if not with_grad:
             return dw_t, (loss_sum, jnp.zeros((0,), jnp.float32))
         # d(lse - tgt)/dlogits = softmax - onehot, zero on padded rows (padded columns: e is already 0 there)
-        dlogits = e * (1.0 / s) - jax.nn.one_hot(t_i, V, dtype=jnp.float32)
+        # of the *mean*: the 1/M folds into this pass instead of two more passes over dh and dW
+        dlogits = (e * (1.0 / s) - jax.nn.one_hot(t_i, V, dtype=jnp.float32)) * (1.0 / M)
         dlogits = jnp.where(ok[:, None], dlogits, 0.0).astype(dtype)
         dh_i = _dot(dlogits, w_c, dtype, precision)  # (rows, V) @ (V, C)
         dw_t = dw_t + _dot(materialize_transpose(h_i), dlogits, dtype, precision)  # (C, rows) @ (rows, V)
@@ -140,8 +141,7 @@ def _fused_ce(h, w, targets, vocab_size, dtype, precision):
 
 def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision):
     loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True)
-    M = h.shape[0]
-    return loss_sum / M, (dh / M, dw / M, targets)
+    return loss_sum / h.shape[0], (dh, dw, targets)
 
 
 def _fused_ce_bwd(vocab_size, dtype, precision, res, g):
