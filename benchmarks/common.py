@@ -55,6 +55,14 @@ def recorded_env(env: dict[str, str]) -> dict[str, str | None]:
     return {k: env.get(k) for k in RECORDED_ENV}
 
 
+def shown(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (results may go elsewhere: JAXGPT_BENCH_RESULTS)."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 

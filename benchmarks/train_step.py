@@ -257,7 +257,7 @@ def main(argv=None) -> int:
               probe=not a.no_probe, seq=a.seq, batch=a.batch, log=lambda s: print(s, flush=True))
     j, m = save(res, a.out)
     print(markdown(res))
-    print(f"\nwrote {j.relative_to(common.ROOT)} and {m.relative_to(common.ROOT)}")
+    print(f"\nwrote {common.shown(j)} and {common.shown(m)}")
     if a.quick:
         ok, msg = quick_check(res)
         print(("OK: " if ok else "REGRESSION: ") + msg)
