@@ -151,7 +151,7 @@ def run(config: str, precision: str, steps: int, trace: bool) -> dict:
         times = []
     return {"config": config, "precision": precision, "policy": str(policy), "train_step": src,
             "compile_s": compile_s, "hlo_file": str(hlo_path.relative_to(common.ROOT)), "dots": dots,
-            "trace_ops": ops[:80], "step_times_s": times, "steps": steps, "loadavg": common.loadavg(),
+            "trace_ops": ops[:400], "step_times_s": times, "steps": steps, "loadavg": common.loadavg(),
             "env": common.recorded_env(dict(os.environ)), "git": common.git_rev(),
             "uncommitted_library_files": common.dirty_files()}
 
