@@ -75,6 +75,53 @@ def allocator_table(train: dict[str, dict]) -> str | None:
     return "\n".join(lines)
 
 
+def _is_dot(name: str, what: str) -> bool:
+    return name.startswith("ynn_fusion") and "dot_general" in what
+
+
+def profile_section(train: dict[str, dict]) -> list[str]:
+    """Where the default bf16 step's time goes (``benchmarks.profile_step``'s trace), and the floor it implies:
+    the step's matmul FLOPs at the GEMM probe's peak, plus the measured non-matmul work."""
+    prof, res = _load("profile-small-bf16"), train.get("small-tuned")
+    if not prof or not prof.get("trace_ops"):
+        return []
+    steps = prof["steps"]
+    ops = [(n, ms / steps, c, w) for n, ms, c, w in prof["trace_ops"]
+           if not n.startswith("$") and "Execute" not in n and "Pjit" not in n]
+    times = sorted(prof["step_times_s"])
+    step_ms = 1e3 * times[len(times) // 2]
+    dot_ms = sum(ms for n, ms, _, w in ops if _is_dot(n, w))
+    other_ms = sum(ms for n, ms, _, w in ops if not _is_dot(n, w))
+    out = ["## Where the time goes (small, jax_bf16)", "",
+           f"`python -m benchmarks.profile_step --config small --precision bf16` (git {prof['git']}, load avg "
+           f"{prof['loadavg'][0]:.2f}; full tables in `benchmarks/results/profile-small-bf16.md`): median step "
+           f"{step_ms:,.0f} ms under the profiler. XLA:CPU thunks summed over the step: matmuls (YNNPACK) "
+           f"{dot_ms:,.0f} ms, everything else {other_ms:,.0f} ms (XLA runs independent thunks concurrently, so the "
+           "sums can exceed the step). Every dot takes bf16 operands (the HLO check in the same run).", ""]
+    if res:
+        gflop = res["flops_per_step"] / 1e9
+        peak = res["gemm_peak"]["bf16"]["best_gflops"]
+        floor_ms = 1e3 * gflop / peak
+        t = _tps(res, "torch_compile_bf16")
+        best = res["seq"] * res["batch"] * res.get("micro_steps", 1)  # tokens per step
+        from jaxgpt.config import GPTConfig
+
+        cfg = GPTConfig.preset(res["preset"])
+        head = 6 * best * cfg.n_embd * cfg.vocab_rows / 1e9  # the tied lm_head's forward + 2 backward matmuls
+        out += [f"Floor: {gflop:,.1f} GFLOP of matmuls per step at the probe's {peak:,.0f} GFLOP/s is "
+                f"{floor_ms:,.0f} ms; with the {other_ms:,.0f} ms of non-matmul work measured above (softmax passes "
+                f"over the 50,304-way logits, AdamW, LayerNorm, GELU, casts), about {floor_ms + other_ms:,.0f} ms = "
+                f"{best / (floor_ms + other_ms) * 1e3:,.0f} tok/s"
+                + (f", {best / (floor_ms + other_ms) * 1e3 / t:.2f}x this run's torch.compile bf16" if t else "")
+                + f". The lm_head's three matmuls are {100 * head / gflop:.0f}% of the FLOPs; measured alone at their in-step shapes "
+                "they run at 320-400 GFLOP/s (and at about half that each while the two backward ones overlap).",
+                ""]
+    out += ["| thunk | ms/step | calls/step | what |", "|---|---:|---:|---|"]
+    for n, ms, c, w in sorted(ops, key=lambda r: -r[1])[:12]:
+        out.append(f"| {n} | {ms:,.1f} | {c / steps:g} | {w[:90]} |")
+    return out + [""]
+
+
 def write(path: Path | None = None) -> Path:
     if path is None:  # results redirected (dry runs, tests): keep the report beside them
         path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
@@ -157,6 +204,7 @@ def write(path: Path | None = None) -> Path:
         if key in train:
             out += [f"## {title}", "", train_step.markdown(train[key]), "",
                     f"Command: `{train[key]['command']}`", ""]
+    out += profile_section(train)
     at = allocator_table(train)
     if at:
         out += ["## Allocator: glibc default vs tuned GLIBC_TUNABLES (small)", "",

@@ -10,6 +10,11 @@ what changes is how XLA is allowed to run it. The parity tests check them agains
 * :func:`lm_head_cross_entropy` — ``mean(logsumexp(h W^T) - (h W^T)[target])`` over the real vocabulary,
   computed in row chunks with its gradient formed in the same pass, so the (tokens x 50,304) fp32 logits
   are never materialised whole, and never twice.
+* :func:`causal_attention` — ``softmax(q k^T / sqrt(D) + causal mask) v`` as plain einsums with a hand-written
+  backward (``Policy.attention = "einsum"``, the CPU default).
+
+What each one saved is measured in ``BENCHMARKS.md`` and in the docstrings below; ``tests/test_ops.py`` checks
+each against the plain expression, values and gradients.
 """
 
 from __future__ import annotations
@@ -199,7 +204,7 @@ def _causal_attention_bwd(dtype, precision, res, g):
     dv = _einsum("bhts,bthd->bshd", probs, g, dtype, precision)  # P^T g
     dp = _einsum("bthd,bshd->bhts", g, vc, dtype, precision)  # g V^T
     # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(g * y) (cheaper: D, not S)
-    delta = jnp.einsum("bthd,bthd->bht", g, y)[..., None]
+    delta = jnp.swapaxes(jnp.sum(g * y, axis=-1), 1, 2)[..., None]  # (B, H, T, 1); a reduction, not a matmul
     ds = probs * (dp - delta) / math.sqrt(qc.shape[-1])
     dq = _einsum("bhts,bshd->bthd", ds, kc, dtype, precision)
     dk = _einsum("bhts,bthd->bshd", ds, qc, dtype, precision)
