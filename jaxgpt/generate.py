@@ -126,12 +126,27 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: jax.Array | fl
 
 
 # ---- the compiled generation function --------------------------------------------------------------------
+def _matmul_weights_in_compute_dtype(graphdef, state):
+    """``state`` with every Linear kernel already in the policy's compute dtype. Each kernel is only ever a
+    matmul operand, which the policy casts anyway, so the tokens are bit-identical; but the cast happens once
+    per generate call instead of once per decoded token (a decode step is bound by reading the weights)."""
+    dtype = nnx.merge(graphdef, state).policy.dtype
+    if dtype == jnp.float32:
+        return state
+
+    def cast(path, x):
+        return x.astype(dtype) if any(getattr(k, "key", None) == "kernel" for k in path) else x
+
+    return jax.tree_util.tree_map_with_path(cast, state)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "top_k", "use_cache"))
 def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, top_k: int | None,
                        use_cache: bool):
     """Tokens (batch, T0 + n_new): ``ctx`` (batch, T0 <= block_size) followed by ``n_new`` new tokens."""
     _TRACES["cached" if use_cache else "uncached"] += 1  # runs only while tracing
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, _matmul_weights_in_compute_dtype(graphdef, state))
+    head = model.policy.cast(model.wte.embedding[...])  # the tied lm_head, cast once for every token
     B, T0 = ctx.shape
     block_size = model.config.block_size
     L = T0 + n_new
@@ -151,7 +166,7 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, to
         window = jax.lax.dynamic_slice(buf, (0, start), (B, width))  # positions restart at 0
         h, _ = model.hidden(window)
         h_last = jax.lax.dynamic_slice_in_dim(h, n - 1 - start, 1, axis=1)  # the last real token
-        return model.logits(h_last)[:, 0]
+        return model.logits(h_last, head=head)[:, 0]
 
     if not use_cache:
         width = min(block_size, L)
@@ -165,7 +180,7 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, to
     n_cached = min(n_new, block_size - T0 + 1)
     cache = model.init_cache(B, T0 + n_cached - 1)  # the last cached step writes position T0+n_cached-2
     h, cache = model.hidden(ctx, cache=cache, pos=0)  # prefill
-    logits = model.logits(h[:, -1:])[:, 0]
+    logits = model.logits(h[:, -1:], head=head)[:, 0]
 
     def step(i, carry):  # one sampling site, then the logits of token i+1 by whichever regime applies
         buf, cache, logits = carry
@@ -174,7 +189,7 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, to
 
         def decode(buf, cache):  # token i at its absolute position against the cache: O(T)
             h, cache = model.hidden(tok[:, None], cache=cache, pos=T0 + i)
-            return model.logits(h)[:, 0], cache
+            return model.logits(h, head=head)[:, 0], cache
 
         def recompute(buf, cache):  # past block_size: nanoGPT's cropped recompute (positions shift)
             return recompute_logits(buf, T0 + i + 1, block_size), cache

@@ -86,8 +86,10 @@ def _split(key: jax.Array | None, n: int) -> list[jax.Array | None]:
 class KVCache(NamedTuple):
     """Keys and values of every layer for incremental decoding, in the policy's compute dtype."""
 
-    k: Float[Array, "layer batch max_seq heads head_dim"]
-    v: Float[Array, "layer batch max_seq heads head_dim"]
+    # heads before positions: each decode step reads a layer's (batch, heads, max_seq, head_dim) block as is
+    # (the (.., max_seq, heads, ..) layout made XLA transpose the whole cache every step: 2x slower at 144)
+    k: Float[Array, "layer batch heads max_seq head_dim"]
+    v: Float[Array, "layer batch heads max_seq head_dim"]
 
 
 def attention(
@@ -127,6 +129,18 @@ def reference_attention(q, k, v, *, policy: Policy, mask=None, dropout_rate=0.0,
     probs = jax.nn.softmax(scores, axis=-1)  # fp32
     probs = dropout(probs, dropout_rate, dropout_key)
     return policy.einsum("bhts,bshd->bthd", probs, v)
+
+
+def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array, "batch heads kv_seq head_dim"],
+                     v: Float[Array, "batch heads kv_seq head_dim"], *, policy: Policy,
+                     mask: Float[Array, "batch 1 seq kv_seq"], dropout_rate: float = 0.0,
+                     dropout_key: jax.Array | None = None) -> Float[Array, "batch seq heads head_dim"]:
+    """Incremental decoding: queries against a KV cache held heads-first; ``mask[b, 0, t, s]`` says whether
+    query t may see key s. The same einsums as :func:`reference_attention`."""
+    scores = policy.einsum("bthd,bhsd->bhts", q, k) / math.sqrt(q.shape[-1])  # fp32
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    probs = dropout(probs, dropout_rate, dropout_key)
+    return policy.einsum("bhts,bhsd->bthd", probs, v)
 
 
 class LayerNorm(nnx.Module):
@@ -182,14 +196,17 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = rearrange(qkv, "b t (three h d) -> three b t h d", three=3, h=self.n_head)
         mask = None
         if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place
-            at = (layer, 0, pos, 0, 0)
-            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], at),
-                            jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], at))
-            k, v = cache.k[layer], cache.v[layer]  # attend to [0, pos+t]
-            T, S = q.shape[1], k.shape[1]
+            at = (layer, 0, 0, pos, 0)
+            heads_first = lambda a: rearrange(a, "b t h d -> b h t d")[None].astype(cache.k.dtype)  # noqa: E731
+            cache = KVCache(jax.lax.dynamic_update_slice(cache.k, heads_first(k), at),
+                            jax.lax.dynamic_update_slice(cache.v, heads_first(v), at))
+            k, v = cache.k[layer], cache.v[layer]  # (B, H, S, D): attend to [0, pos+t]
+            T, S = q.shape[1], k.shape[2]
             mask = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]
-        y = attention(q, k, v, policy=self.policy, mask=mask, dropout_rate=self.dropout,
-                      dropout_key=attn_key)
+            y = cached_attention(q, k, v, policy=self.policy, mask=mask, dropout_rate=self.dropout,
+                                 dropout_key=attn_key)
+        else:
+            y = attention(q, k, v, policy=self.policy, dropout_rate=self.dropout, dropout_key=attn_key)
         y = rearrange(y, "b t h d -> b t (h d)")  # re-assemble the heads side by side
         return dropout(self.c_proj(y), self.dropout, resid_key), cache
 
@@ -249,7 +266,7 @@ class GPT(nnx.Module):
         check_tokens(idx, self.config)
         T = idx.shape[1]
         if cache is not None:
-            check_cache_positions(pos, T, cache.k.shape[2], self.config)
+            check_cache_positions(pos, T, cache.k.shape[3], self.config)
         keys = _split(dropout_key, self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
         x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
@@ -258,9 +275,12 @@ class GPT(nnx.Module):
             x, cache = block(x, cache=cache, layer=i, pos=pos, dropout_key=keys[i])
         return self.ln_f(x), cache
 
-    def logits(self, h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
-        """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped)."""
-        return self.policy.einsum("btc,vc->btv", h, self.wte.embedding[...])[..., : self.config.vocab_size]
+    def logits(self, h: Float[Array, "batch seq embed"], *, head: Float[Array, "vocab_rows embed"] | None = None
+               ) -> Float[Array, "batch seq vocab"]:
+        """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped). ``head``:
+        wte already cast to the compute dtype (the decoder casts it once, not once per token)."""
+        head = self.wte.embedding[...] if head is None else head
+        return self.policy.einsum("btc,vc->btv", h, head)[..., : self.config.vocab_size]
 
     def __call__(self, idx: Int[Array, "batch seq"], *, dropout_key=None) -> Float[Array, "batch seq vocab"]:
         h, _ = self.hidden(idx, dropout_key=dropout_key)
@@ -280,7 +300,7 @@ class GPT(nnx.Module):
     # ---- incremental decoding -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_seq: int | None = None) -> KVCache:
         cfg = self.config
-        shape = (cfg.n_layer, batch, max_seq or cfg.block_size, cfg.n_head, cfg.head_dim)
+        shape = (cfg.n_layer, batch, cfg.n_head, max_seq or cfg.block_size, cfg.head_dim)
         return KVCache(jnp.zeros(shape, self.policy.dtype), jnp.zeros(shape, self.policy.dtype))
 
     def decode(self, idx: Int[Array, "batch seq"], cache: KVCache, pos: Int[Array, ""] | int

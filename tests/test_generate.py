@@ -304,3 +304,22 @@ def test_cli_module_entry_point():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "--temperature" in proc.stderr
+
+
+def test_bf16_decoding_casts_the_weights_once_with_the_same_tokens(monkeypatch):
+    """Under a bf16 policy the decoder casts the Linear kernels and the tied head to bf16 once per call, not once
+    per token. The matmuls cast their operands anyway, so sampling is bit-for-bit what per-token casting gives."""
+    from jaxgpt import generate as gen_mod
+
+    fp32 = sharpened_model(CFG, seed=4)
+    graphdef, state = nnx.split(fp32)
+    bf16 = nnx.merge(nnx.split(GPT(CFG, policy=Policy.bf16(), rngs=nnx.Rngs(0)))[0], state)
+    cast = gen_mod._matmul_weights_in_compute_dtype(*nnx.split(bf16))
+    dtypes = {jax.tree_util.keystr(p): v.dtype for p, v in jax.tree_util.tree_leaves_with_path(cast)}
+    assert {k for k, d in dtypes.items() if d == jnp.bfloat16} == {k for k in dtypes if "kernel" in k}
+    assert gen_mod._matmul_weights_in_compute_dtype(graphdef, state) is state  # fp32: untouched
+    fast = generate(bf16, PROMPT, max_new_tokens=N_NEW, temperature=0.8, seed=3, num_samples=2)
+    monkeypatch.setattr(gen_mod, "_matmul_weights_in_compute_dtype", lambda graphdef, state: state)
+    gen_mod._generate_compiled.clear_cache()  # retrace without the cast
+    slow = generate(bf16, PROMPT, max_new_tokens=N_NEW, temperature=0.8, seed=3, num_samples=2)
+    np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))
