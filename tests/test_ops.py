@@ -125,12 +125,13 @@ def test_causal_attention_is_causal():
     assert not np.asarray(dq[:, 5:]).any()
 
 
-def test_cpu_default_attention_is_the_einsum_kernel():
-    if jax.default_backend() != "cpu":
-        pytest.skip("the CPU default")
-    assert Policy.bf16().attention_impl() == "einsum"
-    assert Policy.fp32().attention_impl() == "einsum"
-    assert Policy.bf16(fast_kernels=False).attention_impl() == "xla"
+def test_default_attention_per_backend():
+    """auto: the einsum kernel on CPU (with fast_kernels), cuDNN for bf16 on GPU, XLA's path otherwise."""
+    backend = jax.default_backend()
+    on_cpu, on_gpu = backend == "cpu", backend == "gpu"
+    assert Policy.bf16().attention_impl() == ("einsum" if on_cpu else "cudnn" if on_gpu else "xla")
+    assert Policy.fp32().attention_impl() == ("einsum" if on_cpu else "xla")
+    assert Policy.fp32(fast_kernels=False).attention_impl() == "xla"
     assert Policy.bf16(attention="xla").attention_impl() == "xla"
 
 
