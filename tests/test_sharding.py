@@ -129,12 +129,7 @@ def _start(devices: int, *args: str) -> subprocess.Popen:
 
 
 def _result(proc: subprocess.Popen) -> dict:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err[-4000:]
-    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+    line = next(ln for ln in _finish(proc).splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
