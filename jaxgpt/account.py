@@ -32,7 +32,7 @@ ln_2 output                            C            cd         c_fc weight gradi
 c_fc output (GELU input)               4C           fp32       GELU backward
 GELU output                            4C           cd         mlp.c_proj weight gradient
 attention T x T, XLA path              4 N T        fp32       softmax backward (P), dV (P), see below
-attention, einsum path (CPU default)   N T + C      fp32       P for dV and dS; y for rowsum(dO * y)
+attention, einsum path (CPU default)   N T' + C     fp32       P for dV and dS; y for rowsum(dO * y)
 attention, flash/cuDNN path            N            fp32       log-sum-exp per row (no T x T at all)
 =====================================  ===========  =========  ============================================
 
@@ -44,15 +44,17 @@ as a select) keeps **four** fp32 T x T tensors per head alive into the backward 
 (masked scores, exp(s - max), and the probabilities in two layouts, one per backward matmul), measured
 as 15-16 bytes per (head, query, key) in ``memory_analysis()``; that is what is counted for ``xla``.
 On CPU, jaxgpt's default is ``jaxgpt.ops.causal_attention`` (``einsum``): its hand-written backward saves one fp32
-copy of P and the fp32 output y. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
+copy of P and the fp32 output y, and P only over the keys each query block sees: ``T' = 0.625 T`` with its 4 query
+blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).
 
 Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and the backward's transient
 working set (the C-sized gradient buffers of one layer, 8 C fp32 per token; its T x T gradients dP and
 dS fit in the memory of the T x T tensors that layer just released). jaxgpt's fused chunked
-cross-entropy (``Policy.fast_kernels``) never holds the full (B T, Vp) logits: per chunk of
-``rows = min(B T, 2^23 // Vp)`` tokens XLA keeps two fp32 (rows, Vp) buffers (the logits, and the
-softmax-minus-one-hot gradient fused from them), plus dh (4 B T C) and the fp32 wte gradient accumulator
+cross-entropy (``Policy.fast_kernels``) never holds the full (B T, Vp) logits: per chunk of at most
+``CE_CHUNK_ELEMENTS // Vp`` tokens (667 at GPT-2's vocabulary; balanced, so 512 for 2,048 tokens) XLA
+keeps one fp32 (rows, Vp) buffer (the logits, which exp(logits - max) then reuses) and the bf16
+softmax-minus-one-hot gradient, plus dh (4 B T C) and the fp32 wte gradient accumulator
 (4 C Vp). Without fast kernels: 2 x 4 B T V bytes (logits and their gradient).
 
 With rematerialisation (``--remat``: ``jax.checkpoint`` around each block saving nothing), each layer
@@ -98,6 +100,15 @@ PRECISIONS = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp8")
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
 CE_CHUNK_ELEMENTS = 1 << 25  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
+ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.ops.ATTENTION_QUERY_BLOCKS
+
+
+def visible_keys_per_query(seq_len: int) -> float:
+    """Mean number of keys per query row that jaxgpt.ops.causal_attention's query blocks compute (and save P
+    for): block [a, b) multiplies against keys [0, b). 0.625 T with 4 blocks, T for one."""
+    n = max(1, min(ATTENTION_QUERY_BLOCKS, seq_len))
+    edges = [round(i * seq_len / n) for i in range(n + 1)]
+    return sum((b - a) * b for a, b in zip(edges[:-1], edges[1:])) / seq_len
 
 
 class AccountError(ConfigError):
@@ -454,8 +465,9 @@ def saved_bytes_per_layer_token(config: GPTConfig, seq_len: int, *, precision: s
     cd = 4 if precision == "fp32" else 2
     fp32_elems = (C + 1) + (C + 1) + 4 * C  # LayerNorm centred inputs + 1/std, GELU input
     cd_elems = C + 3 * C + C + C + 4 * C  # matmul inputs: ln_1 out, q k v, y, ln_2 out, GELU out
-    # xla: 4 fp32 T x T per head; einsum: one (P) and the fp32 output; flash: one log-sum-exp per head
-    tt = {"xla": 4 * 4 * N * T, "einsum": 4 * N * T + 4 * C}.get(attention, 4 * N)
+    # xla: 4 fp32 T x T per head; einsum: one P over the keys its query block sees, and the fp32 output;
+    # flash: one log-sum-exp per head
+    tt = {"xla": 4 * 4 * N * T, "einsum": 4 * N * visible_keys_per_query(T) + 4 * C}.get(attention, 4 * N)
     return 4 * fp32_elems + cd * cd_elems + tt
 
 
@@ -477,6 +489,8 @@ def estimate_activations(config: GPTConfig, *, batch_size: int, seq_len: int, pr
     else:
         loss = 2 * 4 * M * config.vocab_size
     transient = 8 * 4 * C * M
+    if attention == "einsum":  # its backward's heads-first fp32 copies: g, dq, dk, dv and their (B, T, H, D) copies
+        transient += 8 * 4 * C * M
     return ActivationEstimate(tokens=M, per_layer_per_token=per, per_layer_per_token_no_remat=full,
                               layers=layers, ln_f=ln_f, loss_buffers=loss, backward_transient=transient,
                               remat=remat)

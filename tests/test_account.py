@@ -268,3 +268,16 @@ def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
     print(f"\nXLA temp {temp / 2**20:.2f} MiB, estimate {est.xla_temp / 2**20:.2f} MiB "
           f"(activations {est.activations.total / 2**20:.2f} MiB)")
     assert est.xla_temp == pytest.approx(temp, rel=0.20)
+
+
+def test_mirrored_kernel_constants_match_jaxgpt_ops():
+    """The accountant stays jax-free, so it mirrors ops' chunk and block constants: they must agree, and its
+    count of the keys the blocked attention computes must match ops.query_blocks."""
+    from jaxgpt import ops
+
+    assert acc.CE_CHUNK_ELEMENTS == ops.CE_CHUNK_ELEMENTS
+    assert acc.ATTENTION_QUERY_BLOCKS == ops.ATTENTION_QUERY_BLOCKS
+    for T in (1, 3, 37, 256, 1024):
+        keys = sum((b - a) * b for a, b in ops.query_blocks(T)) / T
+        assert acc.visible_keys_per_query(T) == pytest.approx(keys)
+    assert acc.visible_keys_per_query(1024) == pytest.approx(0.625 * 1024)

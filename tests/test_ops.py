@@ -115,6 +115,33 @@ def test_causal_attention_matches_reference(shape, dtype):
     assert yf.dtype == F32 and all(a.dtype == F32 for a in gf)
 
 
+@pytest.mark.parametrize("seq", [1, 5, 37, 256, 1024])
+def test_query_blocks_cover_the_sequence(seq):
+    """Near-equal, contiguous query blocks covering [0, seq); no empty block even when seq < the block count."""
+    blocks = ops.query_blocks(seq)
+    assert blocks[0][0] == 0 and blocks[-1][1] == seq
+    assert all(b0[1] == b1[0] for b0, b1 in zip(blocks, blocks[1:]))
+    sizes = [b - a for a, b in blocks]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+    assert len(blocks) == min(ops.ATTENTION_QUERY_BLOCKS, seq)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 7])
+def test_causal_attention_any_block_count(monkeypatch, n_blocks):
+    """The query blocking is an implementation detail: 1 (dense), 2, 3 (uneven) or 7 blocks give the
+    reference's output and gradients (fp32, highest precision)."""
+    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCKS", n_blocks)
+    q, k, v, g = (_rand(i, (2, 23, 2, 8)) for i in range(4))
+    policy = Policy(compute_dtype="float32", matmul_precision="highest")
+    fast = lambda q, k, v: ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)  # noqa: E731
+    ref = lambda q, k, v: reference_attention(q, k, v, policy=policy)  # noqa: E731
+    assert _rel(jax.jit(fast)(q, k, v), jax.jit(ref)(q, k, v)) <= 1e-6
+    gf = jax.jit(jax.grad(lambda *a: jnp.sum(fast(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    gr = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * g), argnums=(0, 1, 2)))(q, k, v)
+    for name, a, b in zip("qkv", gf, gr):
+        assert _rel(a, b) <= 1e-5, name
+
+
 def test_causal_attention_is_causal():
     """Changing a later key/value never changes an earlier output, nor its gradient w.r.t. earlier inputs."""
     q, k, v = (_rand(i, (1, 8, 2, 4)) for i in range(3))
