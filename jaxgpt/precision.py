@@ -36,7 +36,7 @@ class Policy:
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
     # auto: cuDNN on GPU with bf16 compute; on CPU (with fast_kernels) jaxgpt.ops.causal_attention ("einsum":
-    # plain einsums with a hand-written backward); XLA's jax.nn.dot_product_attention path otherwise
+    # query-blocked einsums with a hand-written backward); XLA's jax.nn.dot_product_attention path otherwise
     attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: bf16-friendly matmul VJP, chunked fused lm_head cross-entropy
