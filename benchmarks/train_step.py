@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_step --config small --variants all --rounds 3 --steps 10
     python -m benchmarks.train_step --config gpt2 --rounds 2 --steps 10 --allocator tuned
-    python -m benchmarks.train_step --quick        # CI: small, jax_bf16 vs torch_eager_bf16, ratio check
+    python -m benchmarks.train_step --quick        # CI: small, jaxgpt's default vs torch eager, ratio check
 
 Every (variant, round) runs in a fresh subprocess (``benchmarks.worker``) with the same environment; the
 variants are launched round-robin, the order rotated every round, so machine drift hits all of them alike.
@@ -34,10 +34,22 @@ SHAPES = {
     "tiny": ("tiny", 64, 4),  # plumbing checks only (tests, dry runs): not a benchmark
 }
 ALL_VARIANTS = list(TRAIN_VARIANTS)
-QUICK_VARIANTS = ["jax_bf16", "torch_eager_bf16"]
 TORCH_VARIANTS = [v for v, (fw, _, _) in TRAIN_VARIANTS.items() if fw != "jax"]
-DEFAULT_JAX = "jax_bf16"  # Policy.named("auto") on a CPU with avx512_bf16 (this machine): bf16 compute
 QUICK_MIN_RATIO = 0.8
+
+
+def default_jax_variant() -> str:
+    """The variant jaxgpt trains with by default here: ``precision: auto`` on the CPU (the workers pin JAX to
+    the CPU), i.e. jax_bf16 where bf16 GEMMs beat fp32 ones (AMX, AMD with avx512_bf16), else jax_fp32."""
+    from jaxgpt.precision import default_compute
+
+    return f"jax_{default_compute('cpu')}"
+
+
+def quick_variants() -> list[str]:
+    """CI's pair: jaxgpt's default and torch_ref eager at the same precision."""
+    d = default_jax_variant()
+    return [d, d.replace("jax_", "torch_eager_")]
 
 
 def ensure_init(preset: str) -> Path:
@@ -152,7 +164,7 @@ def summarize(shape, preset, T, B, variants, runs, gemm, *, rounds, steps, warmu
         "benchmark": "train_step", "shape": shape, "preset": preset, "seq": T, "batch": B, "micro_steps": 1,
         "rounds": rounds, "steps": steps, "warmup": warmup, "allocator": allocator,
         "flops_per_step": flops, "flops_source": flops_src, "gemm_peak": peak, "gemm_runs": gemm,
-        "fastest_torch": fastest, "default_jax_variant": DEFAULT_JAX, "variants": rows,
+        "fastest_torch": fastest, "default_jax_variant": default_jax_variant(), "variants": rows,
         "machine": common.cpu_info(), "versions": common.versions(), "env": common.recorded_env(env),
         "git": common.git_rev(), "uncommitted_library_files": common.dirty_files(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "duration_s": time.time() - started, "loadavg_start": load_start, "loadavg_end": common.loadavg(),
@@ -209,12 +221,16 @@ def save(res: dict[str, Any], name: str | None = None) -> tuple[Path, Path]:
 
 
 def quick_check(res: dict[str, Any], min_ratio: float = QUICK_MIN_RATIO) -> tuple[bool, str]:
-    """CI's gross-regression check: jaxgpt bf16 tokens/s at least ``min_ratio`` x torch_ref eager bf16, same run."""
-    j, t = res["variants"].get("jax_bf16", {}), res["variants"].get("torch_eager_bf16", {})
+    """CI's gross-regression check: jaxgpt's default variant (``res["default_jax_variant"]``) at least
+    ``min_ratio`` x torch_ref eager at the same precision, tokens/s in the same run."""
+    jv = res["default_jax_variant"]
+    tv = jv.replace("jax_", "torch_eager_")
+    j, t = res["variants"].get(jv, {}), res["variants"].get(tv, {})
     if "error" in j or "error" in t or not j or not t:
-        return False, f"a variant failed: jax_bf16={j.get('error')}, torch_eager_bf16={t.get('error')}"
+        return False, f"a variant failed or did not run: {jv}={j.get('error', j or 'missing')}, " \
+                      f"{tv}={t.get('error', t or 'missing')}"
     ratio = j["tokens_per_s"]["median"] / t["tokens_per_s"]["median"]
-    msg = (f"jax_bf16 {j['tokens_per_s']['median']:,.0f} tok/s vs torch_eager_bf16 "
+    msg = (f"{jv} {j['tokens_per_s']['median']:,.0f} tok/s vs {tv} "
            f"{t['tokens_per_s']['median']:,.0f} tok/s: ratio {ratio:.2f} (must be >= {min_ratio})")
     return ratio >= min_ratio, msg
 
@@ -241,13 +257,13 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, help="override the shape's batch size")
     p.add_argument("--no-probe", action="store_true", help="skip the GEMM peak probe")
     p.add_argument("--quick", action="store_true",
-                   help="CI mode: small, jax_bf16 vs torch_eager_bf16, 2 rounds x 3 steps, no probe; exit 1 if "
-                        f"jax_bf16 < {QUICK_MIN_RATIO}x torch_eager_bf16")
+                   help="CI mode: small, jaxgpt's default precision vs torch_ref eager at the same precision, 2 "
+                        f"rounds x 3 steps, no probe; exit 1 if jaxgpt < {QUICK_MIN_RATIO}x torch eager")
     p.add_argument("--out", help="results file stem under benchmarks/results/ (default train_step-<config>-<allocator>)")
     a = p.parse_args(argv)
     if a.quick:
         a.config, a.rounds, a.steps, a.warmup, a.no_probe = "small", 2, 3, 1, True
-        variants = QUICK_VARIANTS
+        variants = quick_variants()
         a.out = a.out or "quick"
     else:
         variants = parse_variants(a.variants)

@@ -484,8 +484,9 @@ def estimate_activations(config: GPTConfig, *, batch_size: int, seq_len: int, pr
     Vp = config.vocab_rows
     if fast_kernels:
         rows = min(M, max(1, CE_CHUNK_ELEMENTS // Vp))
-        # one chunk's fp32 logits (exp(logits - max) reuses them) and its bf16 gradient; dh; the fp32 dW carry
-        loss = (4 + 2) * rows * Vp + 4 * M * C + 4 * C * Vp
+        # one chunk's fp32 logits (exp(logits - max) reuses them) and its gradient in the compute dtype; dh;
+        # the fp32 dW carry
+        loss = (4 + cd) * rows * Vp + 4 * M * C + 4 * C * Vp
     else:
         loss = 2 * 4 * M * config.vocab_size
     transient = 8 * 4 * C * M

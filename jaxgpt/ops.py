@@ -3,10 +3,13 @@
 Each function here computes the same mathematical result as the plain expression named in its docstring;
 what changes is how XLA is allowed to run it. The parity tests check them against the plain expressions.
 
-* :func:`matmul` — ``x @ w`` with bf16 operands and fp32 accumulation whose *backward* matmuls also run in
-  bf16. XLA:CPU's ``operand-upcaster`` pass turns a bf16 dot into an fp32 dot whenever an operand arrives in
-  a transposed (column-major) layout, which autodiff's ``dX = g W^T`` and ``dW = X^T g`` always do; on CPU
-  the custom VJP therefore hands XLA real row-major transposed copies (:func:`materialize_transpose`).
+* :func:`matmul` — ``x @ w`` in the compute dtype with fp32 accumulation whose *backward* matmuls take
+  row-major operands. XLA:CPU's ``operand-upcaster`` pass turns a bf16 dot into an fp32 dot whenever an
+  operand arrives in a transposed (column-major) layout, which autodiff's ``dX = g W^T`` and ``dW = X^T g``
+  always do; on CPU the custom VJP therefore hands XLA real row-major transposed copies
+  (:func:`materialize_transpose`). In fp32 the same VJP avoids the transposes XLA otherwise places around
+  the backward dots: measured on a 2-core Intel Xeon, the fp32 train step of gpt2 124M at T=1024 went from
+  7.4 s to 5.7 s (1.31x), the small config's by 3-8%.
 * :func:`lm_head_cross_entropy` — ``mean(logsumexp(h W^T) - (h W^T)[target])`` over the real vocabulary,
   computed in row chunks with its gradient formed in the same pass, so the (tokens x 50,304) fp32 logits
   are never materialised whole, and never twice.

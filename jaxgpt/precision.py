@@ -39,7 +39,7 @@ class Policy:
     # query-blocked einsums with a hand-written backward); XLA's jax.nn.dot_product_attention path otherwise
     attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
-    fast_kernels: bool = True  # jaxgpt.ops: bf16-friendly matmul VJP, chunked fused lm_head cross-entropy
+    fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
 
     def __post_init__(self) -> None:
         if self.param_dtype != "float32":
@@ -92,7 +92,7 @@ class Policy:
 
     def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
         """``x @ w`` under the policy (what every Linear layer calls)."""
-        if self.fast_kernels and self.compute_dtype == "bfloat16":
+        if self.fast_kernels:  # same product; its backward matmuls take row-major operands on CPU
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         return self.einsum("...i,io->...o", x, w)
 
@@ -105,19 +105,41 @@ class Policy:
         return "einsum" if backend == "cpu" and self.fast_kernels else "xla"
 
 
-def default_compute() -> str:
-    """The compute dtype ``precision: auto`` picks: bf16 on GPU/TPU; on CPU bf16 only where the CPU has native
-    bf16 dot instructions (avx512_bf16 or AMX), which run bf16-operand/fp32-accumulate GEMMs at ~2x the fp32
-    rate (measured: ~940 vs ~490 GFLOP/s on a 2-core Zen 5); without them bf16 is emulated and slower."""
-    if jax.default_backend() != "cpu":
+def default_compute(backend: str | None = None) -> str:
+    """The compute dtype ``precision: auto`` picks on ``backend`` (default: JAX's default backend): bf16 on
+    GPU/TPU; on CPU bf16 only where bf16-operand GEMMs (fp32 accumulation) beat fp32 ones
+    (:func:`cpu_bf16_is_fast`), fp32 elsewhere."""
+    if (backend or jax.default_backend()) != "cpu":
         return "bf16"
-    return "bf16" if _cpu_has_native_bf16() else "fp32"
-
-
-def _cpu_has_native_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            cpuinfo = f.read()
     except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+        return "fp32"
+    return "bf16" if cpu_bf16_is_fast(cpuinfo) else "fp32"
+
+
+def cpu_bf16_is_fast(cpuinfo: str) -> bool:
+    """Whether the CPU described by ``cpuinfo`` (the text of ``/proc/cpuinfo``) runs bf16 x bf16 -> fp32 GEMMs
+    faster than fp32 ones. The ``avx512_bf16`` flag alone does not say so; measured on our 2-core machines:
+
+    ===========================================  =================  =======================  ================
+    CPU (2 cores, KVM guest)                     fp32 GEMM GFLOP/s  bf16->fp32 GEMM GFLOP/s  jaxgpt bf16 step
+    ===========================================  =================  =======================  ================
+    AMD EPYC family 25 (Zen 4), avx512_bf16      ~215               ~420                     1.8x fp32 step
+    Intel Xeon family 6 model 207, avx512_bf16,  ~250-330           ~165                     0.8x fp32 step
+    AMX not exposed to the guest
+    ===========================================  =================  =======================  ================
+
+    On that Intel core ``vdpbf16ps`` issues at half the rate of the two fp32 FMA ports (a register-only loop:
+    86 vs 171 GFLOP/s per core), so a bf16 GEMM reaches only half the fp32 peak; on AMD's Zen 4 it issues at
+    the fp32 FMA rate with twice the work per instruction. So: bf16 where there is AMX (``amx_bf16``), or on an
+    AMD CPU with ``avx512_bf16``; fp32 otherwise (without a native bf16 dot, bf16 is emulated and slower still).
+    ``precision: bf16`` still forces bf16 anywhere."""
+    first = cpuinfo.split("\n\n")[0]  # one logical CPU's block
+    flags_line = re.search(r"^flags\s*:(.*)$", first, flags=re.M)
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", first, flags=re.M)
+    flags = set(flags_line.group(1).split()) if flags_line else set()
+    if "amx_bf16" in flags:
+        return True
+    return "avx512_bf16" in flags and vendor is not None and vendor.group(1) == "AuthenticAMD"
