@@ -91,6 +91,23 @@ def test_matmul_matches_plain_bf16_dot():
         assert a.dtype == F32
 
 
+def test_matmul_matches_plain_fp32_autodiff():
+    """fp32 (the CPU default where bf16 GEMMs are slow): the backward's transposed-operand dots give autodiff's
+    gradients to fp32 rounding."""
+    x, w, g = _rand(0, (3, 7, 24)), _rand(1, (24, 40)), _rand(2, (3, 7, 40))
+
+    def plain(x, w):
+        return jnp.einsum("...i,io->...o", x, w, precision=HIGHEST)
+
+    fast = lambda x, w: ops.matmul(x, w, dtype=F32, precision=HIGHEST)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(jax.jit(fast)(x, w)), np.asarray(jax.jit(plain)(x, w)), rtol=1e-6, atol=1e-6)
+    gf = jax.jit(jax.grad(lambda x, w: jnp.sum(fast(x, w) * g), argnums=(0, 1)))(x, w)
+    gp = jax.jit(jax.grad(lambda x, w: jnp.sum(plain(x, w) * g), argnums=(0, 1)))(x, w)
+    for a, b in zip(gf, gp):
+        assert a.shape == b.shape and a.dtype == F32
+        assert _rel(a, b) <= 1e-6
+
+
 # ---- causal attention -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(2, 16, 2, 8), (1, 37, 3, 16)], ids=["tiny", "odd"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
