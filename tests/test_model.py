@@ -17,7 +17,7 @@ from flax import nnx
 from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, KVCache, LayerNorm, TokenError, check_cache_positions, check_tokens, dropout
-from jaxgpt.precision import Policy
+from jaxgpt.precision import Policy, cpu_bf16_is_fast, default_compute
 
 TINY = GPTConfig.preset("tiny")  # 2 layers, 2 heads, C=32, block 64
 ODD = GPTConfig(n_layer=3, n_head=3, n_embd=48, block_size=37)  # 3 heads, block size not a power of two
@@ -285,6 +285,34 @@ def test_dropout():
     values = np.unique(dropped)
     assert len(values) == 2 and values[0] == 0.0 and np.isclose(values[1], 1 / 0.9)
     assert abs((dropped == 0).mean() - 0.1) < 0.005
+
+
+# ---- precision: auto ----------------------------------------------------------------------------------------
+def _cpuinfo(vendor: str, flags: str) -> str:
+    block = f"processor\t: {{}}\nvendor_id\t: {vendor}\nmodel name\t: some CPU\nflags\t\t: fpu sse2 {flags}\n"
+    return "\n".join(block.format(i) for i in range(2))
+
+
+@pytest.mark.parametrize("vendor,flags,fast", [
+    ("AuthenticAMD", "avx2 avx512f avx512_bf16", True),  # Zen 4 / Zen 5: bf16 GEMMs ~2x fp32
+    ("GenuineIntel", "avx2 avx512f avx512_bf16 avx512_fp16", False),  # Xeon, AMX not exposed: bf16 ~0.5x fp32
+    ("GenuineIntel", "avx512_bf16 amx_bf16 amx_tile", True),
+    ("AuthenticAMD", "avx2 avx512f", False),  # no bf16 dot instructions: bf16 is emulated
+    ("GenuineIntel", "avx2", False),
+    ("", "", False),  # no flags line at all (another architecture's /proc/cpuinfo)
+], ids=["amd-avx512bf16", "intel-avx512bf16-no-amx", "intel-amx", "amd-no-bf16", "intel-avx2", "unknown"])
+def test_cpu_bf16_is_fast(vendor, flags, fast):
+    info = _cpuinfo(vendor, flags) if vendor else "processor\t: 0\nBogoMIPS\t: 50.00\n"
+    assert cpu_bf16_is_fast(info) is fast
+
+
+def test_auto_precision_follows_the_cpu():
+    with open("/proc/cpuinfo") as f:
+        expect = "bf16" if cpu_bf16_is_fast(f.read()) else "fp32"
+    assert default_compute("cpu") == expect
+    assert default_compute("gpu") == "bf16"
+    if jax.default_backend() == "cpu":
+        assert Policy.named("auto").compute_dtype == {"bf16": "bfloat16", "fp32": "float32"}[expect]
 
 
 # ---- the bf16 precision policy, read from the compiled program -------------------------------------------
