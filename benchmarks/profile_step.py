@@ -1,6 +1,6 @@
 """Profile jaxgpt's train step: every dot in the compiled HLO with its operand dtypes, and where the time goes.
 
-    python -m benchmarks.profile_step --config small --precision bf16
+    python -m benchmarks.profile_step --config small                   # at the default precision here
     python -m benchmarks.profile_step --config small --precision bf16 --no-trace   # HLO only
 
 Run it under the same allocator as the benchmark (``GLIBC_TUNABLES`` is taken from ``--allocator``: the script
@@ -192,7 +192,8 @@ def markdown(res: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", choices=["small", "gpt2", "gpt2-t256"])
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto (default): what `precision: auto` trains with on this CPU")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-trace", action="store_true")
     p.add_argument("--allocator", default="tuned", choices=sorted(common.ALLOCATORS))
@@ -202,6 +203,10 @@ def main(argv=None) -> int:
         env = common.worker_env(a.allocator)
         env["_BENCH_REEXEC"] = "1"
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.profile_step", *sys.argv[1:]], env)
+    if a.precision == "auto":
+        from jaxgpt.precision import default_compute
+
+        a.precision = default_compute("cpu")
     res = run(a.config, a.precision, a.steps, not a.no_trace)
     md = markdown(res)
     common.RESULTS.mkdir(parents=True, exist_ok=True)

@@ -5,20 +5,22 @@
    batch 4 (``--gpt2-rounds`` x ``--gpt2-steps``, >= 10 pooled steady steps);
 3. small again with the glibc default allocator (the allocator comparison);
 4. generation (gpt2 124M, 1 and 8 prompts, 128 new tokens) and the data loader;
-5. ``benchmarks.report`` writes BENCHMARKS.md.
+5. a profile of jaxgpt's default small step (``benchmarks.profile_step``: where the time goes);
+6. ``benchmarks.report`` writes BENCHMARKS.md.
 
-``--only small,gpt2,gpt2-t256,alloc,generate,data`` runs a subset (the report uses the latest of each).
+``--only small,gpt2,gpt2-t256,alloc,generate,data,profile`` runs a subset (the report uses the latest of each).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 
 from benchmarks import common, data_loader, generate, report, train_step
 
-PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data"]
+PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data", "profile"]
 
 
 def wait_quiet(threshold: float, max_s: float) -> None:
@@ -99,6 +101,13 @@ def main(argv=None) -> int:
         res["command"] = "python -m benchmarks.data_loader"
         data_loader.save(res)
         log(data_loader.markdown(res))
+    if "profile" in parts and not dry:
+        log(f"== profile of the default small step, load {common.loadavg()}")
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_step", "--config", "small"], cwd=common.ROOT,
+                              env=common.worker_env("tuned"), capture_output=True, text=True)
+        if proc.returncode != 0:
+            log(f"profile failed ({proc.returncode}): {proc.stderr[-2000:]}")
+            ok = False
     log(f"wrote {report.write()}")
     return 0 if ok else 1
 
