@@ -46,10 +46,15 @@ def default_jax_variant() -> str:
     return f"jax_{default_compute('cpu')}"
 
 
+def eager_twin(jax_variant: str) -> str:
+    """torch_ref eager at the precision of ``jax_variant`` (jax_fp32 -> torch_eager_fp32)."""
+    return jax_variant.replace("jax_", "torch_eager_")
+
+
 def quick_variants() -> list[str]:
     """CI's pair: jaxgpt's default and torch_ref eager at the same precision."""
     d = default_jax_variant()
-    return [d, d.replace("jax_", "torch_eager_")]
+    return [d, eager_twin(d)]
 
 
 def ensure_init(preset: str) -> Path:
@@ -224,7 +229,7 @@ def quick_check(res: dict[str, Any], min_ratio: float = QUICK_MIN_RATIO) -> tupl
     """CI's gross-regression check: jaxgpt's default variant (``res["default_jax_variant"]``) at least
     ``min_ratio`` x torch_ref eager at the same precision, tokens/s in the same run."""
     jv = res["default_jax_variant"]
-    tv = jv.replace("jax_", "torch_eager_")
+    tv = eager_twin(jv)
     j, t = res["variants"].get(jv, {}), res["variants"].get(tv, {})
     if "error" in j or "error" in t or not j or not t:
         return False, f"a variant failed or did not run: {jv}={j.get('error', j or 'missing')}, " \

@@ -92,7 +92,7 @@ class Policy:
 
     def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
         """``x @ w`` under the policy (what every Linear layer calls)."""
-        if self.fast_kernels:  # same product; its backward matmuls take row-major operands on CPU
+        if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         return self.einsum("...i,io->...o", x, w)
 

@@ -26,10 +26,12 @@ def test_quick_benchmark_ratio(tmp_path):
     assert (tmp_path / f"{out}.json").exists(), f"no result written:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     res = json.loads((tmp_path / f"{out}.json").read_text())
     rows = res["variants"]
+    from benchmarks.train_step import default_jax_variant, eager_twin
     from jaxgpt.precision import default_compute
 
     jv = f"jax_{default_compute('cpu')}"  # what `precision: auto` trains with on this CPU
-    tv = jv.replace("jax_", "torch_eager_")
+    assert default_jax_variant() == jv
+    tv = eager_twin(jv)
     assert res["default_jax_variant"] == jv and set(rows) == {jv, tv}
     for v in (jv, tv):
         assert "error" not in rows[v], f"{v} failed:\n{rows[v].get('error')}\n{proc.stderr[-3000:]}"
@@ -41,15 +43,18 @@ def test_quick_benchmark_ratio(tmp_path):
     assert ratio >= 0.8, f"jaxgpt {jv} is {ratio:.2f}x torch_ref {tv} (must be >= 0.8x)"
 
 
+def _run(v, tps):
+    """A worker's train-step result for variant ``v`` at ``tps`` tokens/s (2,048 tokens per step)."""
+    return {"variant": v, "tokens_per_step": 2048, "step_times_s": [2048 / tps] * 3, "cold_first_step_s": 5.0,
+            "peak_rss_mib": 1000.0, "loss_first": 10.9, "loss_last": 10.8, "loadavg_start": [1.0, 1, 1],
+            "train_step": "jaxgpt.step", "optimizer": "x"}
+
+
 def test_report_helpers():
     """Summaries and Markdown render from a synthetic result without running anything."""
     from benchmarks import train_step
 
-    def run(v, tps):
-        return {"variant": v, "tokens_per_step": 2048, "step_times_s": [2048 / tps] * 3, "cold_first_step_s": 5.0,
-                "peak_rss_mib": 1000.0, "loss_first": 10.9, "loss_last": 10.8, "loadavg_start": [1.0, 1, 1],
-                "train_step": "jaxgpt.step", "optimizer": "x"}
-    runs = {"jax_bf16": [run("jax_bf16", 3000)], "torch_compile_bf16": [run("torch_compile_bf16", 2000)]}
+    runs = {"jax_bf16": [_run("jax_bf16", 3000)], "torch_compile_bf16": [_run("torch_compile_bf16", 2000)]}
     gemm = [{"framework": "jax", "fp32_gflops": 200.0, "bf16_gflops": 400.0}]
     res = train_step.summarize("small", "small", 256, 8, list(runs), runs, gemm, rounds=1, steps=3, warmup=1,
                                allocator="tuned", env={}, started=0.0, load_start=[1.0, 1, 1])
@@ -79,12 +84,8 @@ def test_report_targets():
     variant where that is another one, and the fraction of the faster GEMM probe."""
     from benchmarks import report, train_step
 
-    def run(v, tps):
-        return {"variant": v, "tokens_per_step": 2048, "step_times_s": [2048 / tps] * 3, "cold_first_step_s": 5.0,
-                "peak_rss_mib": 1000.0, "loss_first": 10.9, "loss_last": 10.8, "loadavg_start": [1.0, 1, 1],
-                "train_step": "jaxgpt.step", "optimizer": "x"}
     tps = {"jax_fp32": 1700, "jax_bf16": 1200, "torch_eager_fp32": 1900, "torch_compile_bf16": 1000}
-    runs = {v: [run(v, t)] for v, t in tps.items()}
+    runs = {v: [_run(v, t)] for v, t in tps.items()}
     gemm = [{"framework": "jax", "fp32_gflops": 300.0, "bf16_gflops": 150.0}]
     res = train_step.summarize("small", "small", 256, 8, list(runs), runs, gemm, rounds=1, steps=3, warmup=1,
                                allocator="tuned", env={}, started=0.0, load_start=[1.0, 1, 1])
