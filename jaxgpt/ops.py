@@ -32,12 +32,23 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 
+def platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") that computations traced now are placed on: the device set by
+    ``jax.default_device(...)`` (or ``JAX_DEFAULT_DEVICE``) where there is one, else JAX's default backend. A
+    CPU computation on a machine with a GPU (``with jax.default_device(jax.devices("cpu")[0])``) must get the
+    CPU's kernels, not cuDNN's."""
+    dev = jax.config.jax_default_device
+    if dev is None:
+        return jax.default_backend()
+    return dev if isinstance(dev, str) else dev.platform
+
+
 def materialize_transpose(a: Float[Array, "*batch m n"]) -> Float[Array, "*batch n m"]:
     """``a`` with its last two axes swapped, as a real row-major array. A plain ``.T`` (or a copy of it) is
     folded by XLA into the consumer as a layout change, which makes XLA:CPU upcast a bf16 dot to fp32;
     flattening behind an optimization barrier forces the physical transpose."""
     swapped = jnp.swapaxes(a, -1, -2)
-    if jax.default_backend() != "cpu":
+    if platform() != "cpu":
         return swapped  # GPU/TPU matmul units take transposed operands at full speed
     return lax.optimization_barrier(swapped.reshape(-1)).reshape(swapped.shape)
 
@@ -152,7 +163,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
         return loss_sum
     # the barrier keeps XLA from folding this transpose into the dW dot (with one chunk the scan is inlined,
     # and a bf16 dot with a transposed operand then has no CPU kernel at all)
-    dw = lax.optimization_barrier(dw_t).T if jax.default_backend() == "cpu" else dw_t.T
+    dw = lax.optimization_barrier(dw_t).T if platform() == "cpu" else dw_t.T
     return loss_sum, dh.reshape(-1, C)[:M], dw
 
 
@@ -211,7 +222,7 @@ def _heads_first(x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "b
     """(B, T, H, D) -> (B, H, T, D) as a real row-major copy on CPU (see :func:`materialize_transpose`), so each
     attention matmul below is a plain batched matmul over (B, H)."""
     y = jnp.swapaxes(x, 1, 2)
-    if jax.default_backend() != "cpu":
+    if platform() != "cpu":
         return y
     return lax.optimization_barrier(y.reshape(-1)).reshape(y.shape)
 

@@ -99,17 +99,17 @@ class Policy:
     def attention_impl(self) -> Literal["xla", "cudnn", "einsum", "reference"]:
         if self.attention != "auto":
             return self.attention
-        backend = jax.default_backend()
+        backend = ops.platform()
         if backend == "gpu" and self.compute_dtype == "bfloat16":
             return "cudnn"
         return "einsum" if backend == "cpu" and self.fast_kernels else "xla"
 
 
 def default_compute(backend: str | None = None) -> str:
-    """The compute dtype ``precision: auto`` picks on ``backend`` (default: JAX's default backend): bf16 on
+    """The compute dtype ``precision: auto`` picks on ``backend`` (default: where computations are placed now, :func:`jaxgpt.ops.platform`): bf16 on
     GPU/TPU; on CPU bf16 only where bf16-operand GEMMs (fp32 accumulation) beat fp32 ones
     (:func:`cpu_bf16_is_fast`), fp32 elsewhere."""
-    if (backend or jax.default_backend()) != "cpu":
+    if (backend or ops.platform()) != "cpu":
         return "bf16"
     try:
         with open("/proc/cpuinfo") as f:

@@ -193,7 +193,16 @@ def xla_costs(name: str, what: str, compiled: bool = True, fast_kernels: bool = 
 
     ``fast_kernels=False`` (the default here) runs the plain program whose FLOPs the analytic count
     describes: logits, then cross-entropy. jaxgpt's default fused, chunked cross-entropy is a lax.scan;
-    see test_fused_cross_entropy_chunks for what that does to both counts."""
+    see test_fused_cross_entropy_chunks for what that does to both counts.
+
+    Always XLA:CPU's counts, also on a GPU machine (whose lowered ``cost_analysis()`` is None)."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _xla_costs(name, what, compiled, fast_kernels)
+
+
+def _xla_costs(name: str, what: str, compiled: bool, fast_kernels: bool) -> dict:
     import jax
     import jax.numpy as jnp
     import optax

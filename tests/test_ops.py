@@ -179,9 +179,32 @@ def test_default_attention_per_backend():
     assert Policy.bf16(attention="xla").attention_impl() == "xla"
 
 
+def test_auto_follows_the_default_device(monkeypatch):
+    """On a GPU machine, a computation placed on the CPU (``jax.default_device(cpu)``, as the parity tests'
+    cpu cases do) gets the CPU's kernels: cuDNN attention has no CPU lowering at all."""
+    from jaxgpt.precision import default_compute
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # what a CUDA machine reports
+    assert ops.platform() == "gpu"
+    assert Policy.bf16().attention_impl() == "cudnn"
+    assert default_compute() == "bf16"
+    for cpu in (jax.devices("cpu")[0], "cpu"):
+        with jax.default_device(cpu):
+            assert ops.platform() == "cpu"
+            assert Policy.bf16().attention_impl() == "einsum"
+            assert Policy.fp32(fast_kernels=False).attention_impl() == "xla"
+            assert default_compute() == default_compute("cpu")
+
+
 def test_bf16_train_grads_have_no_fp32_dots():
     """In the *compiled* bf16 gradient (what XLA:CPU runs after its operand upcaster), every dot takes bf16
-    operands: the fast kernels exist to keep autodiff's transposed backward dots from being run in fp32."""
+    operands: the fast kernels exist to keep autodiff's transposed backward dots from being run in fp32.
+    Compiled for the CPU on any machine (on a GPU, attention would be one cuDNN call, without dots)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        _check_bf16_train_grads_have_no_fp32_dots()
+
+
+def _check_bf16_train_grads_have_no_fp32_dots():
     from flax import nnx
 
     from benchmarks.profile_step import parse_dots

@@ -117,6 +117,8 @@ def test_step_metrics_eval_and_donation(train_step):
 
 
 def test_deterministic(train_step):
+    """Two runs of the same 3 steps from the same init: bit-identical on CPU (and on a GPU with
+    ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``); equal to fp32 rounding on a GPU without it."""
     model, optimizer, step = train_step
     x, y = batch(4, 4, seed=3)
     runs = []
@@ -127,8 +129,12 @@ def test_deterministic(train_step):
             state, metrics = step(state, x, y)
             losses.append(float(metrics["loss"]))
         runs.append((losses, state.params))
-    assert runs[0][0] == runs[1][0]  # bit-identical
-    assert max_abs_diff(runs[0][1], runs[1][1]) == 0.0
+    if jax.default_backend() == "cpu" or "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
+        assert runs[0][0] == runs[1][0]  # bit-identical
+        assert max_abs_diff(runs[0][1], runs[1][1]) == 0.0
+    else:  # a GPU's scatter-add (the wte gradient) uses atomics: equal to rounding, not to the bit
+        np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-6)
+        assert max_abs_diff(runs[0][1], runs[1][1]) < 1e-6
     assert runs[0][0][0] != runs[0][0][2]  # and it did train
 
 
