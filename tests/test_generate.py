@@ -174,6 +174,56 @@ def test_kth_largest_matches_lax_top_k():
                                   np.asarray(jax.lax.top_k(x, 4)[0][..., -1:]))
 
 
+def test_grouped_kth_largest_is_exact_on_wide_rows():
+    """The CPU threshold looks only at the k groups of GROUP values with the largest maxima: the same value
+    as lax.top_k, including rows whose top values tie across groups and rows with few finite values."""
+    from jaxgpt.generate import GROUP, _kth_largest_grouped
+
+    rng = np.random.default_rng(1)
+    V = 50_257
+    x = rng.normal(size=(6, V)).astype(np.float32)
+    x[1] = np.round(x[1])  # heavy ties everywhere
+    x[2, ::GROUP] = 7.0  # every group's maximum is the same value
+    x[3, :] = -np.inf
+    x[3, rng.choice(V, 30, replace=False)] = rng.normal(size=30)  # fewer finite values than k
+    x[4, -5:] = 9.0  # the top values in the last, padded group
+    x[5] = np.float32(1e-40) * rng.normal(size=V)  # denormals
+    for k in (1, 2, 50, 196):
+        want = np.asarray(jax.lax.top_k(x, k)[0][..., -1:])
+        np.testing.assert_array_equal(np.asarray(_kth_largest_grouped(jnp.asarray(x), k)), want)
+
+
+def test_argmax_is_jnp_argmax():
+    from jaxgpt.generate import argmax
+
+    rng = np.random.default_rng(2)
+    x = np.round(rng.normal(size=(20, 300)) * 2).astype(np.float32)  # ties: the first index wins
+    x[3] = -np.inf
+    x[4, 17] = np.inf
+    np.testing.assert_array_equal(np.asarray(argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+def test_categorical_draws_from_the_softmax():
+    """Two-level inverse CDF: frequencies match softmax(logits) over several groups and the partial last
+    one; -inf logits are never drawn; a single finite logit is always drawn."""
+    from jaxgpt.generate import GROUP, categorical
+
+    V, n = 3 * GROUP + 40, 200_000
+    logits = np.full(V, -np.inf, np.float32)
+    support = np.r_[5, 100, GROUP, GROUP + 1, 2 * GROUP + 7, 3 * GROUP + 39]  # across groups, last one partial
+    logits[support] = np.random.default_rng(3).normal(0.0, 1.0, support.size)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    draw = jax.jit(lambda key, x: categorical(key, jnp.broadcast_to(x, (n, V))))
+    tokens = np.asarray(draw(jax.random.key(0), jnp.asarray(logits)))
+    freq = np.bincount(tokens, minlength=V) / n
+    assert set(np.flatnonzero(freq)) <= set(support)
+    np.testing.assert_allclose(freq, probs, atol=5 * np.sqrt(0.25 / n))  # 5 sigma at worst
+    one = np.full((4, V), -np.inf, np.float32)
+    one[:, V - 1] = 0.0
+    assert (np.asarray(categorical(jax.random.key(1), jnp.asarray(one))) == V - 1).all()
+
+
 # ---- the cache and block_size cropping --------------------------------------------------------------------------
 def test_cached_equals_uncached_across_block_size(runs):
     np.testing.assert_array_equal(runs["greedy"], runs["greedy_uncached"])
