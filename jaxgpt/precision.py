@@ -106,9 +106,9 @@ class Policy:
 
 
 def default_compute(backend: str | None = None) -> str:
-    """The compute dtype ``precision: auto`` picks on ``backend`` (default: where computations are placed now, :func:`jaxgpt.ops.platform`): bf16 on
-    GPU/TPU; on CPU bf16 only where bf16-operand GEMMs (fp32 accumulation) beat fp32 ones
-    (:func:`cpu_bf16_is_fast`), fp32 elsewhere."""
+    """The compute dtype ``precision: auto`` picks on ``backend`` (default: where computations are placed now,
+    :func:`jaxgpt.ops.platform`): bf16 on GPU/TPU; on CPU bf16 only where bf16-operand GEMMs (fp32
+    accumulation) beat fp32 ones (:func:`cpu_bf16_is_fast`), fp32 elsewhere."""
     if (backend or ops.platform()) != "cpu":
         return "bf16"
     try:
