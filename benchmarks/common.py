@@ -88,6 +88,62 @@ def run_worker(spec: dict[str, Any], env: dict[str, str], *, timeout: float = 18
     return result
 
 
+# ---- precisions a framework cannot run here -----------------------------------------------------------------
+# A (framework, dtype) whose GEMM probe reaches less than this fraction of the same framework's fp32 rate is not run:
+# torch's bf16 GEMM on a CPU without avx512_bf16 or AMX (e.g. AMD Zen 3) runs at about 1 GFLOP/s against 140 in
+# fp32, so one bf16 train step of the small config would take minutes, and of gpt2 124M, a quarter of an hour.
+UNUSABLE_FRACTION = 0.05
+QUICK_PROBE = {"task": "gemm", "sizes": [], "reps": 3, "use_library": False, "budget_s": 10}  # 512^3 only
+
+
+def framework_of(variant: str) -> str:
+    """The library whose kernels a benchmark variant runs on: ``jax`` or ``torch`` (torch_ref and transformers)."""
+    return "jax" if variant.startswith("jax_") else "torch"
+
+
+def precision_of(variant: str) -> str:
+    return "bf16" if "bf16" in variant else "fp32"
+
+
+def unusable_precisions(gemm: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
+    """``{(framework, dtype): why}`` for every framework/dtype the GEMM probes in ``gemm`` found unusable (below
+    :data:`UNUSABLE_FRACTION` of that framework's fp32 rate); each ``why`` gives the rates."""
+    out = {}
+    for fw in ("jax", "torch"):
+        runs = [g for g in gemm if g.get("framework") == fw and "error" not in g]
+        if not runs:
+            continue
+        fp32 = max(g["fp32_gflops"] for g in runs)
+        bf16 = max(g["bf16_gflops"] for g in runs)
+        if bf16 < UNUSABLE_FRACTION * fp32:
+            out[(fw, "bf16")] = (f"{fw}'s bf16 GEMM runs at {bf16:.1f} GFLOP/s on this CPU against {fp32:.0f} in "
+                                 f"fp32 ({100 * bf16 / fp32:.1f}%: no native bf16 dot here)")
+    return out
+
+
+def probe_precisions(env: dict[str, str], frameworks: set[str], log=print) -> list[dict[str, Any]]:
+    """Quick GEMM probes (512^3, a few seconds each) of ``frameworks``, for :func:`unusable_precisions` when the
+    full probe is not run."""
+    out = []
+    for fw in sorted(frameworks):
+        res = run_worker({**QUICK_PROBE, "framework": fw}, env, timeout=300)
+        if "error" in res:
+            log(f"  quick gemm probe {fw}: ERROR {res['error'][-300:]}")
+        out.append(res)
+    return out
+
+
+def skipped_row(why: str) -> dict[str, Any]:
+    """A result row for a variant that was not run because its precision is unusable here (see
+    :func:`unusable_precisions`): it counts as unavailable wherever a failed row does, but is no failure."""
+    return {"error": f"not run: {why}", "skipped": True}
+
+
+def failed(row: dict[str, Any]) -> bool:
+    """A row that errored (a skipped row is not a failure)."""
+    return "error" in row and not row.get("skipped")
+
+
 # ---- statistics ----------------------------------------------------------------------------------------------
 def summarize(times: list[float]) -> dict[str, float]:
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}

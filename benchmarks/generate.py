@@ -28,6 +28,15 @@ def run(*, preset: str, prompt_counts: list[int], variants: list[str], new: int,
     env = common.worker_env(allocator)
     started, load_start = time.time(), common.loadavg()
     raw: dict[str, list[dict]] = {}
+    # variants whose precision this machine cannot run in reasonable time (torch bf16 without avx512_bf16/AMX)
+    frameworks = {common.framework_of(v) for v in variants if common.precision_of(v) == "bf16"}
+    unusable = common.unusable_precisions(common.probe_precisions(env, frameworks, log=log))
+    skip = {v: unusable[key] for v in variants if (key := (common.framework_of(v), common.precision_of(v))) in unusable}
+    for v, why in skip.items():
+        log(f"  {v}: not run: {why}")
+        for n in prompt_counts:
+            raw[f"{v}@{n}"] = [common.skipped_row(why)]
+    variants = [v for v in variants if v not in skip]
     for r in range(rounds):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for n in prompt_counts:
@@ -49,7 +58,7 @@ def run(*, preset: str, prompt_counts: list[int], variants: list[str], new: int,
     for key, runs in raw.items():
         ok = [x for x in runs if "error" not in x]
         if not ok:
-            rows[key] = {"error": runs[0]["error"]}
+            rows[key] = runs[0] if runs[0].get("skipped") else {"error": runs[0]["error"]}
             continue
         times = [t for x in ok for t in x["times_s"]]
         st = common.summarize(times)
@@ -89,7 +98,8 @@ def markdown(res: dict[str, Any]) -> str:
     for key, r in sorted(res["rows"].items(), key=lambda kv: (int(kv[0].split("@")[1]), kv[0])):
         v, n = key.split("@")
         if "error" in r:
-            lines.append(f"| {v} | {n} | error: {r['error'][-150:].replace('|', '/').replace(chr(10), ' ')} |||||||")
+            what = r["error"] if r.get("skipped") else f"error: {r['error'][-150:]}"
+            lines.append(f"| {v} | {n} | {what.replace('|', '/').replace(chr(10), ' ')} |||||||")
             continue
         t = r["tokens_per_s"]
         lines.append(f"| {v} | {n} | {t['median']:,.1f} | {t['min']:,.1f}-{t['max']:,.1f} | {r['time_s']['median']:.2f} "
@@ -125,7 +135,7 @@ def main(argv=None) -> int:
               rounds=a.rounds, repeats=a.repeats, allocator=a.allocator, log=lambda s: print(s, flush=True))
     save(res, a.out)
     print(markdown(res))
-    return 0 if all("error" not in r for r in res["rows"].values()) else 1
+    return 1 if any(common.failed(r) for r in res["rows"].values()) else 0
 
 
 if __name__ == "__main__":

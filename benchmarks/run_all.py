@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                               f"--steps {steps} --allocator tuned")
             train_step.save(res)
             log(train_step.markdown(res))
-            ok &= all("error" not in r for r in res["variants"].values())
+            ok &= not any(common.failed(r) for r in res["variants"].values())
     if "alloc" in parts:
         log(f"== train_step small, default allocator, load {common.loadavg()}")
         res = train_step.run("tiny" if dry else "small", variants, rounds=a.alloc_rounds, steps=a.alloc_steps,

@@ -92,8 +92,19 @@ def run(shape: str, variants: list[str], *, rounds: int, steps: int, warmup: int
                 else:
                     log(f"  round {r + 1} gemm {fw}: fp32 {res['fp32_gflops']:.0f} GFLOP/s, "
                         f"bf16 {res['bf16_gflops']:.0f} GFLOP/s (load {res['loadavg_start'][0]:.1f})")
+        if r == 0:  # which variants this machine cannot run in reasonable time (e.g. torch bf16 on AVX2 only)
+            frameworks = {common.framework_of(v) for v in variants if common.precision_of(v) == "bf16"}
+            checks = gemm if probe else common.probe_precisions(env, frameworks, log=log)
+            unusable = common.unusable_precisions(checks)
+            skip = {v: unusable[key] for v in variants
+                    if (key := (common.framework_of(v), common.precision_of(v))) in unusable}
+            for v, why in skip.items():
+                log(f"  {v}: not run: {why}")
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
+            if v in skip:
+                runs[v] = [common.skipped_row(skip[v])]
+                continue
             spec = {"task": "train", "variant": v, "config": preset, "seq": T, "batch": B, "steps": steps,
                     "warmup": warmup, "init": str(init)}
             res = common.run_worker(spec, env)
@@ -136,7 +147,8 @@ def summarize(shape, preset, T, B, variants, runs, gemm, *, rounds, steps, warmu
     for v in variants:
         ok = [r for r in runs[v] if "error" not in r]
         if not ok:
-            rows[v] = {"error": runs[v][0]["error"] if runs[v] else "not run"}
+            rows[v] = runs[v][0] if runs[v] and runs[v][0].get("skipped") else \
+                {"error": runs[v][0]["error"] if runs[v] else "not run"}
             continue
         times = [t for r in ok for t in r["step_times_s"]]
         st = common.summarize(times)
@@ -197,7 +209,8 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     for v, r in res["variants"].items():
         if "error" in r:
-            lines.append(f"| {v} | error: {r['error'][:120].replace('|', '/')} |||||||||")
+            what = r["error"] if r.get("skipped") else f"error: {r['error'][:120]}"
+            lines.append(f"| {v} | {what.replace('|', '/')} |||||||||")
             continue
         tps = r["tokens_per_s"]
         frac = f"{100 * r['fraction_of_peak']:.0f}% {r['precision']}" if r["fraction_of_peak"] else "-"
@@ -283,7 +296,7 @@ def main(argv=None) -> int:
         ok, msg = quick_check(res)
         print(("OK: " if ok else "REGRESSION: ") + msg)
         return 0 if ok else 1
-    return 0 if all("error" not in r for r in res["variants"].values()) else 1
+    return 1 if any(common.failed(r) for r in res["variants"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -97,3 +97,73 @@ def test_report_targets():
         ("1,700 / 1,900 tok/s = 0.89x", "NOT met")
     (peak_row,) = [k for k in rows if "GEMM peak" in k]
     assert "fp32" in peak_row and rows[peak_row][0].endswith("169 of 300 GFLOP/s = 56%") and rows[peak_row][1] == "NOT met"
+
+
+def _gemm(fw, fp32, bf16):
+    return {"framework": fw, "fp32_gflops": fp32, "bf16_gflops": bf16}
+
+
+def test_unusable_precisions():
+    """torch's bf16 GEMM at ~1 GFLOP/s (a CPU without avx512_bf16/AMX) is flagged; a slower-than-fp32 but real
+    bf16 (XLA's 100 vs 150 GFLOP/s) is not; a failed probe decides nothing."""
+    from benchmarks import common
+
+    out = common.unusable_precisions([_gemm("jax", 150.0, 100.0), _gemm("torch", 140.0, 1.3),
+                                      {"framework": "torch", "error": "boom"}])
+    assert set(out) == {("torch", "bf16")}
+    assert "1.3 GFLOP/s" in out[("torch", "bf16")] and "140" in out[("torch", "bf16")]
+    assert common.unusable_precisions([_gemm("torch", 140.0, 120.0)]) == {}
+    assert [common.framework_of(v) for v in ("jax_bf16", "torch_compile_bf16", "hf_eager_bf16")] == \
+        ["jax", "torch", "torch"]
+    assert common.failed({"error": "x"}) and not common.failed(common.skipped_row("why")) and not common.failed({})
+
+
+def test_train_step_skips_unusable_precision(monkeypatch, tmp_path):
+    """With torch's bf16 unusable, the torch bf16 variants are not launched (a step would take minutes) and show
+    as 'not run' with the reason; the others run; the run is no failure, and the targets table says why the
+    torch.compile bf16 row cannot be measured and what ratio the GEMM rate allows at most."""
+    from benchmarks import common, report, train_step
+
+    launched = []
+
+    def fake_worker(spec, env, **kw):
+        if spec["task"] == "gemm":
+            return {**_gemm(spec["framework"], 150.0 if spec["framework"] == "jax" else 140.0,
+                            100.0 if spec["framework"] == "jax" else 1.2), "loadavg_start": [0.5]}
+        launched.append(spec["variant"])
+        tps = {"jax_fp32": 1400, "jax_bf16": 950, "torch_eager_fp32": 1350, "torch_compile_fp32": 1250}
+        return _run(spec["variant"], tps[spec["variant"]])
+
+    monkeypatch.setattr(common, "run_worker", fake_worker)
+    monkeypatch.setattr(train_step, "ensure_init", lambda preset: tmp_path / "init.npz")
+    res = train_step.run("small", train_step.ALL_VARIANTS, rounds=2, steps=3, warmup=1, allocator="tuned",
+                         log=lambda s: None)
+    assert set(launched) == {"jax_fp32", "jax_bf16", "torch_eager_fp32", "torch_compile_fp32"}
+    for v in ("torch_eager_bf16", "torch_compile_bf16", "hf_eager_bf16"):
+        row = res["variants"][v]
+        assert row["skipped"] and "1.2 GFLOP/s" in row["error"], row
+        assert not common.failed(row)
+    assert res["fastest_torch"] == "torch_eager_fp32"
+    md = train_step.markdown(res)
+    assert "| torch_compile_bf16 | not run: torch's bf16 GEMM runs at 1.2 GFLOP/s" in md
+    res["default_jax_variant"] = "jax_fp32"
+    rows = {a: (b, c) for a, b, c in report.targets({"small-tuned": res}, None)}
+    assert rows["small: jaxgpt default (jax_fp32) >= 1.2x torch_ref torch.compile bf16"][1].startswith(
+        "not measurable here")
+    assert rows["small: jaxgpt default (jax_fp32) >= 1.2x the fastest torch variant here (torch_eager_fp32)"] == \
+        ("1,400 / 1,350 tok/s = 1.04x", "NOT met")
+    (ceil,) = [k for k in rows if "ceiling" in k]
+    # 2,048 tokens x 150 GFLOP/s / 203.3 GFLOP per step = 1,511 tok/s at most: 1.12x torch, so 1.2x is out of reach
+    assert "150 GFLOP/s" in ceil and rows[ceil] == ("1,511 / 1,350 tok/s = 1.12x", "1.2x out of reach on this machine")
+
+
+def test_gemm_probe_time_budget():
+    """The GEMM probe measures 512^3 first and skips a size it projects past its time budget, so an emulated
+    dtype cannot stall a benchmark for minutes; the rate it reports is the one it measured."""
+    from benchmarks import worker
+
+    res = worker.run_gemm({"framework": "jax", "sizes": [[1024, 1024, 1024]], "reps": 2, "use_library": False,
+                           "budget_s": 1e-6})
+    for dt in ("fp32", "bf16"):
+        assert list(res[f"{dt}_by_size"]) == ["512x512x512"] and res[f"{dt}_skipped_sizes"] == ["1024x1024x1024"]
+        assert res[f"{dt}_gflops"] == res[f"{dt}_by_size"]["512x512x512"] > 0
