@@ -263,18 +263,20 @@ def _causal_attention_bwd(dtype, precision, res, g):
     # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(g * y) (D wide, not S)
     delta = jnp.sum(gh * y, axis=-1, keepdims=True)  # (B, H, T, 1); a reduction, not a matmul
     vt = transpose_operand(vh)  # (B, H, D, T)
-    dq, dk, dv = [], jnp.zeros(kh.shape, jnp.float32), jnp.zeros(vh.shape, jnp.float32)
+    # dK and dV are built transposed, (B, H, D, T): dV^T += g^T P and dK^T += q^T dS take the small (D, t) row-major
+    # copies of g and q as left operands and P, dS as they are, where P^T g and dS^T q needed a transposed copy of
+    # every (t, S) block of P and dS (measured at gpt2's T=1024 H=12: the attention's fwd+bwd 1.3-1.4x faster)
+    gt, qt = materialize_transpose(gh.astype(dtype)), materialize_transpose(qh)  # (B, H, D, T)
+    dq, dkt, dvt = [], jnp.zeros(gt.shape, jnp.float32), jnp.zeros(gt.shape, jnp.float32)
     for (a, b), p in zip(query_blocks(T), probs):
-        g_i = gh[:, :, a:b]
-        dv = dv.at[:, :, :b].add(_einsum("bhst,bhtd->bhsd", transpose_operand(p.astype(dtype)), g_i,
-                                         dtype, precision))  # P^T g
-        dp = _einsum("bhtd,bhds->bhts", g_i, vt[..., :b], dtype, precision)  # g V^T
+        dvt = dvt.at[..., :b].add(_einsum("bhdt,bhts->bhds", gt[..., a:b], p, dtype, precision))  # (P^T g)^T
+        dp = _einsum("bhtd,bhds->bhts", gh[:, :, a:b], vt[..., :b], dtype, precision)  # g V^T
         ds = p * (dp - delta[:, :, a:b]) * scale
         dq.append(_einsum("bhts,bhsd->bhtd", ds, kh[:, :, :b], dtype, precision))
-        dk = dk.at[:, :, :b].add(_einsum("bhst,bhtd->bhsd", transpose_operand(ds.astype(dtype)), qh[:, :, a:b],
-                                         dtype, precision))  # dS^T q
-    dq = jnp.concatenate(dq, axis=2)
-    return tuple(jnp.swapaxes(d, 1, 2).astype(like.dtype) for d in (dq, dk, dv))
+        dkt = dkt.at[..., :b].add(_einsum("bhdt,bhts->bhds", qt[..., a:b], ds, dtype, precision))  # (dS^T q)^T
+    dq = jnp.swapaxes(jnp.concatenate(dq, axis=2), 1, 2)  # (B, T, H, D)
+    dk, dv = (jnp.transpose(d, (0, 3, 1, 2)) for d in (dkt, dvt))  # (B, H, D, T) -> (B, T, H, D)
+    return tuple(d.astype(like.dtype) for d in (dq, dk, dv))
 
 
 _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
@@ -296,5 +298,8 @@ def causal_attention(
     is a plain batched matmul over heads-first, row-major copies of q, k and v. The softmax backward uses
     ``rowsum(dP * P) = rowsum(g * y)``. Measured on the 2-core CPU, forward+backward against the dense einsum
     version this replaced: 9-10 ms vs 18-21 ms at B=8 T=256 H=4, 43-50 ms vs 67-72 ms at gpt2's T=1024 H=12
-    (which itself was 1.5-2x faster than ``jax.nn.dot_product_attention(implementation="xla")``)."""
+    (which itself was 1.5-2x faster than ``jax.nn.dot_product_attention(implementation="xla")``). The backward
+    builds dK and dV transposed, so no (t, S) block of P or dS is ever transposed: on a 2-core AMD EPYC (Zen 3),
+    fwd+bwd at T=1024 H=12 went from 99-115 to 78-81 ms (best of 15, alternating in one process; torch's fused
+    CPU SDPA: 66 ms), at B=8 T=256 H=4 from 24 to 20 ms."""
     return _causal_attention(q, k, v, jnp.dtype(dtype), precision)
