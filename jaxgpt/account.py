@@ -52,7 +52,7 @@ Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and th
 working set (the C-sized gradient buffers of one layer, 8 C fp32 per token; its T x T gradients dP and
 dS fit in the memory of the T x T tensors that layer just released). jaxgpt's fused chunked
 cross-entropy (``Policy.fast_kernels``) never holds the full (B T, Vp) logits: per chunk of at most
-``CE_CHUNK_ELEMENTS // Vp`` tokens (667 at GPT-2's vocabulary; balanced, so 512 for 2,048 tokens) XLA
+``CE_CHUNK_ELEMENTS // Vp`` tokens (1,334 at GPT-2's vocabulary; balanced, so 1,024 for 2,048 tokens) XLA
 keeps one fp32 (rows, Vp) buffer (the logits, which exp(logits - max) then reuses) and the bf16
 softmax-minus-one-hot gradient, plus dh (4 B T C) and the fp32 wte gradient accumulator
 (4 C Vp). Without fast kernels: 2 x 4 B T V bytes (logits and their gradient).
@@ -99,7 +99,7 @@ OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 
 PRECISIONS = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp8")
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
-CE_CHUNK_ELEMENTS = 1 << 25  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
+CE_CHUNK_ELEMENTS = 1 << 26  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
 ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.ops.ATTENTION_QUERY_BLOCKS
 
 

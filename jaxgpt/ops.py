@@ -97,13 +97,16 @@ def matmul(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, dtype,
 
 
 # ---- fused lm_head + cross-entropy --------------------------------------------------------------------------
-CE_CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk of the fused loss (jaxgpt.account's memory estimate reads it)
+CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss (jaxgpt.account's memory estimate reads it)
 
 
 def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
-    """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (128 MiB): 4 chunks of 512 rows
-    for 2,048 tokens at GPT-2's vocabulary. Measured on a 2-core CPU: 158-row chunks were 25% slower (the dW
-    dot's contraction gets short), one chunk no faster than four (more memory traffic per pass)."""
+    """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (256 MiB): at GPT-2's vocabulary
+    at most 1,334 rows, so 2 chunks of 1,024 rows for 2,048 tokens and one chunk for 1,024. Measured on 2-core
+    CPUs: 158-row chunks were 25% slower than 512 (the dW dot's contraction gets short); at gpt2's 1,024 tokens
+    x C=768 one 1,024-row chunk took 1.53-1.56 s against 1.62-1.65 s for two of 512 and 1.68 s for four of 256;
+    at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
+    chunk slower (1.25-1.31 s: more memory traffic per pass)."""
     budget = CE_CHUNK_ELEMENTS if budget is None else budget
     rows = max(1, min(n_rows, budget // vocab_rows))
     n_chunks = math.ceil(n_rows / rows)
