@@ -121,6 +121,17 @@ def run(shape: str, variants: list[str], *, rounds: int, steps: int, warmup: int
                      allocator=allocator, env=env, started=started, load_start=load_start)
 
 
+def _causal_flops(preset: str, B: int, T: int) -> float | None:
+    """The step's matmul FLOPs with causal attention counted half (no implementation needs more): the work the
+    targets table's ceiling is computed from."""
+    try:
+        from jaxgpt.config import GPTConfig
+        from jaxgpt.flops import count_flops
+    except ImportError:
+        return None
+    return float(count_flops(GPTConfig.preset(preset), T, batch_size=B, causal_halving=True).training_per_step)
+
+
 def _flops(preset: str, B: int, T: int) -> tuple[float, str]:
     # imported lazily: jaxgpt.flops (when present) may import jax; that is fine in the orchestrator
     from benchmarks.impl import flops_per_step
@@ -180,7 +191,8 @@ def summarize(shape, preset, T, B, variants, runs, gemm, *, rounds, steps, warmu
     return {
         "benchmark": "train_step", "shape": shape, "preset": preset, "seq": T, "batch": B, "micro_steps": 1,
         "rounds": rounds, "steps": steps, "warmup": warmup, "allocator": allocator,
-        "flops_per_step": flops, "flops_source": flops_src, "gemm_peak": peak, "gemm_runs": gemm,
+        "flops_per_step": flops, "flops_source": flops_src, "flops_per_step_causal": _causal_flops(preset, B, T),
+        "gemm_peak": peak, "gemm_runs": gemm,
         "fastest_torch": fastest, "default_jax_variant": default_jax_variant(), "variants": rows,
         "machine": common.cpu_info(), "versions": common.versions(), "env": common.recorded_env(env),
         "git": common.git_rev(), "uncommitted_library_files": common.dirty_files(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
