@@ -129,6 +129,8 @@ def cpu_bf16_is_fast(cpuinfo: str) -> bool:
     AMD EPYC family 25 (Zen 4), avx512_bf16      ~215               ~420                     1.8x fp32 step
     Intel Xeon family 6 model 207, avx512_bf16,  ~250-330           ~165                     0.8x fp32 step
     AMX not exposed to the guest
+    AMD EPYC family 25 model 1 (the guest sees   ~165-175           ~100 (XLA; torch's bf16  0.67x fp32 step
+    AVX2 and FMA only, no AVX-512)                                  GEMM: ~1.3)
     ===========================================  =================  =======================  ================
 
     On that Intel core ``vdpbf16ps`` issues at half the rate of the two fp32 FMA ports (a register-only loop:
