@@ -133,6 +133,21 @@ def probe_precisions(env: dict[str, str], frameworks: set[str], log=print) -> li
     return out
 
 
+def unusable_variants(variants: list[str], env: dict[str, str], gemm: list[dict[str, Any]] | None = None,
+                      log=print) -> dict[str, str]:
+    """``{variant: why}`` for the variants whose framework/precision this machine cannot run in reasonable time
+    (:func:`unusable_precisions`), judged from the GEMM probes in ``gemm`` where a framework has an error-free one,
+    else from a quick probe (:func:`probe_precisions`) of each framework a bf16 variant needs."""
+    frameworks = {framework_of(v) for v in variants if precision_of(v) == "bf16"}
+    probed = [g for g in gemm or [] if "error" not in g]
+    missing = frameworks - {g.get("framework") for g in probed}
+    unusable = unusable_precisions(probed + (probe_precisions(env, missing, log=log) if missing else []))
+    skip = {v: unusable[key] for v in variants if (key := (framework_of(v), precision_of(v))) in unusable}
+    for v, why in skip.items():
+        log(f"  {v}: not run: {why}")
+    return skip
+
+
 def skipped_row(why: str) -> dict[str, Any]:
     """A result row for a variant that was not run because its precision is unusable here (see
     :func:`unusable_precisions`): it counts as unavailable wherever a failed row does, but is no failure."""

@@ -29,15 +29,12 @@ def run(*, preset: str, prompt_counts: list[int], variants: list[str], new: int,
     started, load_start = time.time(), common.loadavg()
     raw: dict[str, list[dict]] = {}
     # variants whose precision this machine cannot run in reasonable time (torch bf16 without avx512_bf16/AMX)
-    frameworks = {common.framework_of(v) for v in variants if common.precision_of(v) == "bf16"}
-    unusable = common.unusable_precisions(common.probe_precisions(env, frameworks, log=log))
-    skip = {v: unusable[key] for v in variants if (key := (common.framework_of(v), common.precision_of(v))) in unusable}
+    skip = common.unusable_variants(variants, env, log=log)
     for v, why in skip.items():
-        log(f"  {v}: not run: {why}")
         for n in prompt_counts:
             raw[f"{v}@{n}"] = [common.skipped_row(why)]
     variants = [v for v in variants if v not in skip]
-    for r in range(rounds):
+    for r in range(rounds if variants else 0):
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for n in prompt_counts:
             for v in order:

@@ -93,13 +93,7 @@ def run(shape: str, variants: list[str], *, rounds: int, steps: int, warmup: int
                     log(f"  round {r + 1} gemm {fw}: fp32 {res['fp32_gflops']:.0f} GFLOP/s, "
                         f"bf16 {res['bf16_gflops']:.0f} GFLOP/s (load {res['loadavg_start'][0]:.1f})")
         if r == 0:  # which variants this machine cannot run in reasonable time (e.g. torch bf16 on AVX2 only)
-            frameworks = {common.framework_of(v) for v in variants if common.precision_of(v) == "bf16"}
-            checks = gemm if probe else common.probe_precisions(env, frameworks, log=log)
-            unusable = common.unusable_precisions(checks)
-            skip = {v: unusable[key] for v in variants
-                    if (key := (common.framework_of(v), common.precision_of(v))) in unusable}
-            for v, why in skip.items():
-                log(f"  {v}: not run: {why}")
+            skip = common.unusable_variants(variants, env, gemm, log=log)
         order = variants[r % len(variants):] + variants[: r % len(variants)]
         for v in order:
             if v in skip:
