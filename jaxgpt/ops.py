@@ -129,7 +129,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
     hc = hp.reshape(n_chunks, rows, C)
     tc = tp.reshape(n_chunks, rows)
     # only the real vocabulary's rows of W: padded columns then need no -inf mask, a whole pass over the
-    # (rows, V) logits that measured ~7 ms per 512-row chunk (~30 ms of a `small` step); their dW is 0
+    # (rows, V) logits that measured ~7 ms per 512 rows (~30 ms of a `small` step); their dW is 0
     w_c = w.astype(dtype)[:vocab_size]
 
     def chunk(carry, inp):
@@ -299,10 +299,10 @@ def causal_attention(
     Blocked by queries (:func:`query_blocks`): block ``[a, b)`` multiplies only against keys ``[0, b)``, so the
     fully masked upper triangle is mostly never computed (4 blocks: 62.5% of the dense work), and every matmul
     is a plain batched matmul over heads-first, row-major copies of q, k and v. The softmax backward uses
-    ``rowsum(dP * P) = rowsum(g * y)``. Measured on the 2-core CPU, forward+backward against the dense einsum
-    version this replaced: 9-10 ms vs 18-21 ms at B=8 T=256 H=4, 43-50 ms vs 67-72 ms at gpt2's T=1024 H=12
+    ``rowsum(dP * P) = rowsum(g * y)``. Measured on a 2-core AMD EPYC Zen 4, forward+backward against the dense
+    einsum version this replaced: 9-10 ms vs 18-21 ms at B=8 T=256 H=4, 43-50 ms vs 67-72 ms at gpt2's T=1024 H=12
     (which itself was 1.5-2x faster than ``jax.nn.dot_product_attention(implementation="xla")``). The backward
-    builds dK and dV transposed, so no (t, S) block of P or dS is ever transposed: on a 2-core AMD EPYC (Zen 3),
+    builds dK and dV transposed, so no (t, S) block of P or dS is ever transposed: on a 2-core AVX2-only AMD EPYC,
     fwd+bwd at T=1024 H=12 went from 99-115 to 78-81 ms (best of 15, alternating in one process; torch's fused
     CPU SDPA: 66 ms), at B=8 T=256 H=4 from 24 to 20 ms."""
     return _causal_attention(q, k, v, jnp.dtype(dtype), precision)
