@@ -47,12 +47,10 @@ def ceiling(res: dict[str, Any]) -> dict[str, Any] | None:
     ``ceiling / torch`` cannot be met on that machine with XLA's GEMMs."""
     precision = default_variant(res).removeprefix("jax_")
     gflops = res["gemm_peak"].get(precision, {}).get("jax_gflops")
-    if not gflops:
+    flops = res.get("flops_per_step_causal")  # absent from results older than the count: then no valid bound
+    if not (gflops and flops):
         return None
     tokens = res["seq"] * res["batch"] * res.get("micro_steps", 1)
-    flops = res.get("flops_per_step_causal")
-    if not flops:  # results from before the causal count was recorded: no valid bound
-        return None
     return {"precision": precision, "gflops": gflops, "tokens_per_s": tokens * gflops * 1e9 / flops}
 
 

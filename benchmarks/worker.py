@@ -183,11 +183,10 @@ def run_gemm(spec: dict[str, Any]) -> dict[str, Any]:
     ``<dtype>_skipped_sizes``. So the probe ends in seconds even where a dtype is emulated (torch's bf16 GEMM on a
     CPU without avx512_bf16/AMX runs at about 1 GFLOP/s: 2048^3 x 10 would take 3 minutes), and its rate is still
     measured, at 512^3."""
-    sizes = [tuple(s) for s in spec.get("sizes", GEMM_SIZES)]
+    sizes = [GEMM_SANITY_SIZE] + [s for s in map(tuple, spec.get("sizes", GEMM_SIZES)) if s != GEMM_SANITY_SIZE]
     reps = spec.get("reps", 8)
     budget = spec.get("budget_s", 30.0)
     fw = spec["framework"]
-    sizes = [GEMM_SANITY_SIZE] + [s for s in sizes if s != GEMM_SANITY_SIZE]
     out: dict[str, Any] = {"framework": fw, "sizes": sizes, "loadavg_start": list(os.getloadavg())}
     if fw == "jax" and spec.get("use_library", True):
         lib = _library_peak()
