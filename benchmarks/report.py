@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import common, data_loader, generate, train_step
+from benchmarks import common, data_loader, gemm_ceiling, generate, train_step
 
 TRAIN_FILES = [("small", "tuned"), ("gpt2", "tuned"), ("gpt2-t256", "tuned"), ("small", "default")]
 
@@ -188,12 +188,38 @@ def profile_section(train: dict[str, dict]) -> list[str]:
     return out + [""]
 
 
+def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
+    """How close the GEMM libraries, and jaxgpt's small step, come to what this CPU can do at all."""
+    if not ceil:
+        return []
+    out = ["## GEMM ceiling: what this CPU allows", "", gemm_ceiling.markdown(ceil), ""]
+    if "skipped" in ceil:
+        return out
+    kern = ceil[f"kernel_gflops_{ceil['cores']}t"]
+    res = train.get("small-tuned")
+    row = (res or {}).get("variants", {}).get("jax_fp32", {})
+    note = ("The microkernel is the inner loop of a BLAS GEMM with its operands already in L1/L2; a full GEMM adds "
+            "packing, memory traffic and edges, so its rate is an upper bound for any matmul on this CPU, and the "
+            "FMA row is not reachable by a GEMM at all (the microkernel's loads and broadcasts share the cycles).")
+    if row and not common.failed(row) and res.get("flops_per_step_causal"):
+        gflops = res["flops_per_step_causal"] / 1e9 / (row["step_s"]["median"])
+        tokens = res["seq"] * res["batch"] * res.get("micro_steps", 1)
+        best = tokens * kern * 1e9 / res["flops_per_step_causal"]
+        fastest = res.get("fastest_torch")
+        t = _tps(res, fastest)
+        note += (f" jaxgpt's small step (train-step table above) runs its matmul FLOPs, causal attention counted half, "
+                 f"at {gflops:,.0f} GFLOP/s = {gflops / kern:.0%} of the microkernel; every matmul at the microkernel "
+                 f"rate and nothing else would be {best:,.0f} tok/s"
+                 + (f", {best / t:.2f}x {fastest}" if t else "") + ".")
+    return out + [note, "", f"Command: `{ceil['command']}`", ""]
+
+
 def write(path: Path | None = None) -> Path:
     if path is None:  # results redirected (dry runs, tests): keep the report beside them
         path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
             else common.RESULTS / "BENCHMARKS.md"
     train = {f"{s}-{a}": r for s, a in TRAIN_FILES if (r := _load(f"train_step-{s}-{a}"))}
-    gen, data = _load("generate"), _load("data_loader")
+    gen, data, ceil = _load("generate"), _load("data_loader"), _load("gemm_ceiling")
     if gen:  # variants measured in separate invocations (generate --out generate-<name>) join the table
         for extra in sorted(common.RESULTS.glob("generate-*.json")):
             more = json.loads(extra.read_text())
@@ -278,6 +304,7 @@ def write(path: Path | None = None) -> Path:
             out += [f"## {title}", "", train_step.markdown(train[key]), "",
                     f"Command: `{train[key]['command']}`", ""]
     out += profile_section(train)
+    out += ceiling_section(ceil, train)
     at = allocator_table(train)
     if at:
         out += ["## Allocator: glibc default vs tuned GLIBC_TUNABLES (small)", "",

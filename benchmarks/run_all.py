@@ -5,10 +5,11 @@
    batch 4 (``--gpt2-rounds`` x ``--gpt2-steps``, >= 10 pooled steady steps);
 3. small again with the glibc default allocator (the allocator comparison);
 4. generation (gpt2 124M, 1 and 8 prompts, 128 new tokens) and the data loader;
-5. a profile of jaxgpt's default small step (``benchmarks.profile_step``: where the time goes);
-6. ``benchmarks.report`` writes BENCHMARKS.md.
+5. the GEMM ceiling (``benchmarks.gemm_ceiling``: a C AVX2 microkernel against the libraries' matmuls);
+6. a profile of jaxgpt's default small step (``benchmarks.profile_step``: where the time goes);
+7. ``benchmarks.report`` writes BENCHMARKS.md.
 
-``--only small,gpt2,gpt2-t256,alloc,generate,data,profile`` runs a subset (the report uses the latest of each).
+``--only small,gpt2,gpt2-t256,alloc,generate,data,profile,ceiling`` runs a subset (the report uses the latest of each).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import subprocess
 import sys
 import time
 
-from benchmarks import common, data_loader, generate, report, train_step
+from benchmarks import common, data_loader, gemm_ceiling, generate, report, train_step
 
-PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data", "profile"]
+PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data", "profile", "ceiling"]
 
 
 def wait_quiet(threshold: float, max_s: float) -> None:
@@ -101,6 +102,12 @@ def main(argv=None) -> int:
         res["command"] = "python -m benchmarks.data_loader"
         data_loader.save(res)
         log(data_loader.markdown(res))
+    if "ceiling" in parts:
+        log(f"== GEMM ceiling (C microkernel vs the libraries), load {common.loadavg()}")
+        res = gemm_ceiling.run(repeats=1 if dry else 5, mfma=20 if dry else 4000, log=log)
+        res["command"] = "python -m benchmarks.gemm_ceiling"
+        gemm_ceiling.save(res)
+        log(gemm_ceiling.markdown(res))
     if "profile" in parts and not dry:
         log(f"== profile of the default small step, load {common.loadavg()}")
         proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_step", "--config", "small"], cwd=common.ROOT,

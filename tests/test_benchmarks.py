@@ -218,3 +218,53 @@ def test_generate_with_every_variant_skipped(monkeypatch, tmp_path):
     assert set(res["rows"]) == {"hf_bf16_cache@1", "hf_bf16_cache@8"}
     assert all(r["skipped"] and not common.failed(r) for r in res["rows"].values())
     assert "| hf_bf16_cache | 1 | not run: torch's bf16 GEMM runs at 1.2 GFLOP/s" in generate.markdown(res)
+
+
+# ---- GEMM ceiling: the C microkernel against the libraries ------------------------------------------------------
+def test_gemm_ceiling_kernel_is_exact_and_below_the_fma_peak():
+    from benchmarks import gemm_ceiling
+
+    why = gemm_ceiling.unsupported()
+    if why:
+        pytest.skip(why)
+    res = gemm_ceiling.run(repeats=1, mfma=20, libraries=False, log=lambda s: None)  # ~0.3 s of kernels
+    cores = res["cores"]
+    # run() raises unless every kernel run's C equals numpy's product of the same inputs
+    assert res["kernel_checksum"] == gemm_ceiling.expected_checksum() != 0
+    for key in ("fma_gflops_1t", f"fma_gflops_{cores}t", "kernel_gflops_1t", f"kernel_gflops_{cores}t"):
+        assert res[key] > 1, (key, res[key])
+    # a kernel that does loads and broadcasts besides its FMAs cannot beat the register-only FMA loop by much
+    assert res[f"kernel_gflops_{cores}t"] < 1.25 * res[f"fma_gflops_{cores}t"]
+    md = gemm_ceiling.markdown(res)
+    assert "6x16 AVX2 GEMM microkernel" in md and "FMA units" in md
+
+
+def test_gemm_ceiling_rejects_a_wrong_kernel_and_skips_where_it_cannot_run(monkeypatch):
+    from benchmarks import gemm_ceiling, report
+
+    if gemm_ceiling.unsupported() is None:
+        monkeypatch.setattr(gemm_ceiling, "expected_checksum", lambda: 1.0)
+        with pytest.raises(RuntimeError, match="the kernel is wrong"):
+            gemm_ceiling.run(repeats=1, mfma=1, libraries=False, log=lambda s: None)
+        monkeypatch.undo()
+    monkeypatch.setattr(gemm_ceiling.platform, "machine", lambda: "aarch64")
+    res = gemm_ceiling.run(repeats=1, mfma=1, libraries=False, log=lambda s: None)
+    assert "aarch64" in res["skipped"]
+    assert "Not run: the kernels are x86-64 AVX2 code" in gemm_ceiling.markdown(res)
+    assert report.ceiling_section(res, {})[0] == "## GEMM ceiling: what this CPU allows"
+
+
+def test_report_ceiling_section_relates_the_step_to_the_kernel():
+    from benchmarks import report
+
+    ceil = {"cores": 2, "fma_gflops_1t": 150.0, "fma_gflops_2t": 300.0, "kernel_gflops_1t": 95.0,
+            "kernel_gflops_2t": 190.0, "loadavg_start": [0.5], "started": "now", "git": "abc", "command": "cmd",
+            "libraries": {"jax": {"fp32_gflops": 171.0, "fp32_by_size": {}}, "torch": {"error": "boom"}}}
+    small = {"seq": 256, "batch": 8, "flops_per_step_causal": 200e9, "fastest_torch": "torch_eager_fp32",
+             "variants": {"jax_fp32": {"step_s": {"median": 2.0}},
+                          "torch_eager_fp32": {"tokens_per_s": {"median": 1000.0}}}}
+    text = "\n".join(report.ceiling_section(ceil, {"small-tuned": small}))
+    assert "| jax fp32 matmul 2048^3 (XLA:CPU, YNNPACK) | | 171 | 57% | 90% |" in text
+    assert "failed: boom" in text
+    # 200 GFLOP in 2 s = 100 GFLOP/s = 53% of 190; at 190 GFLOP/s: 2,048 tokens / 1.053 s = 1,946 tok/s = 1.95x
+    assert "at 100 GFLOP/s = 53% of the microkernel" in text and "1,946 tok/s, 1.95x torch_eager_fp32" in text

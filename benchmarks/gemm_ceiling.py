@@ -1,0 +1,168 @@
+"""How fast can an fp32 GEMM run on this CPU at all? ``python -m benchmarks.gemm_ceiling``
+
+The train-step tables quote jaxgpt's FLOP/s against a GEMM *probe* (the libraries' own best rate). This benchmark
+asks whether those libraries leave anything on the table: it compiles ``benchmarks/kernels/fma_ceiling.c`` (gcc,
+AVX2 + FMA, OpenMP) and measures, in one run, on 1 thread and on all cores:
+
+* ``fma``: the FMA units' peak (12 independent register-only FMA chains; no loads);
+* ``kernel``: the 6x16 AVX2 microkernel that BLIS/OpenBLAS-style GEMMs are built from, on packed panels that stay
+  in L1/L2: a GEMM's inner loop with no memory traffic, packing or edges. A library GEMM cannot beat it by much;
+* the libraries: jax (XLA:CPU, YNNPACK) and torch fp32 2048^3 matmuls (``benchmarks.worker``'s GEMM probe).
+
+Each figure is the best of ``--repeats`` runs. The kernel's result is checked against numpy (exact: the inputs are
+small dyadic numbers). Where there is no C compiler, or the CPU is not x86-64 with AVX2 and FMA, the benchmark
+says so and records a skip. Results: ``benchmarks/results/gemm_ceiling.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+SOURCE = common.ROOT / "benchmarks" / "kernels" / "fma_ceiling.c"
+KC, MR, NR, PANELS = 256, 6, 16, 16  # must match fma_ceiling.c
+
+
+def unsupported() -> str | None:
+    """Why the C kernels cannot run here, or None."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split("\n\n")[0].split("flags", 1)[1].split("\n")[0].split())
+    except (OSError, IndexError):
+        return "cannot read the CPU flags from /proc/cpuinfo"
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    if missing:
+        return f"this CPU lacks {' and '.join(missing)}"
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):
+        return "no C compiler (gcc or $CC) to build benchmarks/kernels/fma_ceiling.c"
+    return None
+
+
+def build() -> Path:
+    """Compile the kernels once per source version into the git-ignored scratch folder."""
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    exe = common.TMP / f"fma_ceiling-{digest}"
+    if not exe.exists():
+        common.TMP.mkdir(parents=True, exist_ok=True)
+        cc = os.environ.get("CC") or shutil.which("gcc") or "cc"
+        tmp = exe.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-fopenmp", str(SOURCE), "-o", str(tmp)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {proc.stderr[-2000:]}")
+        tmp.replace(exe)
+    return exe
+
+
+def measure(exe: Path, mode: str, threads: int, mfma: float) -> dict[str, Any]:
+    """One run of the C program: ``mfma`` million FMA instructions per thread."""
+    proc = subprocess.run([str(exe), mode, str(threads), str(mfma)], capture_output=True, text=True, check=True,
+                          env={**os.environ, "OMP_PROC_BIND": "false"})
+    return json.loads(proc.stdout)
+
+
+def expected_checksum() -> float:
+    """Thread 0's C after one repetition of every panel, computed by numpy from the C program's inputs."""
+    import numpy as np
+
+    a = ((np.arange(MR * KC) % 7 - 2) * 0.25).reshape(KC, MR)
+    b = ((np.arange(KC * NR * PANELS) % 5 - 1) * 0.5).reshape(PANELS, KC, NR)
+    return float(sum((a.T @ b[p]).sum() for p in range(PANELS)))
+
+
+def run(*, repeats: int = 5, mfma: float = 4000.0, libraries: bool = True, log=print) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    res: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "git": common.git_rev(),
+                           "cpu": common.cpu_info(), "cores": cores, "loadavg_start": common.loadavg(),
+                           "command": common.command_line()}
+    why = unsupported()
+    if why:
+        res["skipped"] = why
+        log(f"gemm_ceiling not run: {why}")
+        return res
+    exe = build()
+    want = expected_checksum()
+    for mode in ("fma", "kernel"):
+        for threads in sorted({1, cores}):
+            runs = [measure(exe, mode, threads, mfma) for _ in range(repeats)]
+            if mode == "kernel":
+                got = {r["checksum"] for r in runs}
+                if got != {want}:
+                    raise RuntimeError(f"the 6x16 kernel computed checksum {sorted(got)}, numpy says {want}: "
+                                       f"the kernel is wrong, so its rate means nothing")
+            best = max(r["gflops"] for r in runs)
+            res[f"{mode}_gflops_{threads}t"] = best
+            log(f"{mode:6s} {threads} thread(s): best {best:.1f} GFLOP/s of {repeats}")
+    res["kernel_checksum"] = want
+    if libraries:
+        env = common.worker_env("tuned")
+        res["libraries"] = {}
+        for fw in ("jax", "torch"):
+            spec = {"task": "gemm", "framework": fw, "sizes": [[2048, 2048, 2048]], "reps": repeats,
+                    "use_library": False}
+            r = common.run_worker(spec, env)
+            res["libraries"][fw] = {"error": r["error"][-300:]} if "error" in r else {
+                "fp32_gflops": r["fp32_gflops"], "fp32_by_size": r["fp32_by_size"]}
+            log(f"{fw} fp32 GEMM: {r.get('fp32_gflops', r.get('error', '')[-200:])}")
+    res["loadavg_end"] = common.loadavg()
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    head = (f"**GEMM ceiling**: `benchmarks/kernels/fma_ceiling.c` (gcc -O2 -mavx2 -mfma -fopenmp) and the libraries' "
+            f"fp32 2048^3 matmul, best of several runs each; load avg {res['loadavg_start'][0]:.2f}; "
+            f"{res['started']}, git {res['git']}.")
+    if "skipped" in res:
+        return head + f"\n\nNot run: {res['skipped']}."
+    cores = res["cores"]
+    fma, kern = res[f"fma_gflops_{cores}t"], res[f"kernel_gflops_{cores}t"]
+    rows = [("FMA units, register-only (12 chains, no loads)", res["fma_gflops_1t"], fma),
+            ("6x16 AVX2 GEMM microkernel, L1/L2-resident packed panels", res["kernel_gflops_1t"], kern)]
+    lines = [head, "", f"| what | 1 thread GFLOP/s | {cores} threads GFLOP/s | of the FMA peak | of the microkernel |",
+             "|---|---:|---:|---:|---:|"]
+    for name, one, alln in rows:
+        lines.append(f"| {name} | {one:,.0f} | {alln:,.0f} | {alln / fma:.0%} | "
+                     f"{'' if alln == fma else f'{alln / kern:.0%}'} |")
+    for fw, lib in res.get("libraries", {}).items():
+        label = {"jax": "jax fp32 matmul 2048^3 (XLA:CPU, YNNPACK)", "torch": "torch fp32 matmul 2048^3"}[fw]
+        if "error" in lib:
+            lines.append(f"| {label} | | failed: {lib['error'][-100:].replace('|', '/')} | | |")
+        else:
+            g = lib["fp32_gflops"]
+            lines.append(f"| {label} | | {g:,.0f} | {g / fma:.0%} | {g / kern:.0%} |")
+    return "\n".join(lines)
+
+
+def save(res: dict[str, Any], name: str = "gemm_ceiling") -> None:
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    (common.RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (common.RESULTS / f"{name}.md").write_text(markdown(res) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mfma", type=float, default=4000.0, help="million FMA instructions per thread and run")
+    p.add_argument("--no-libraries", action="store_true", help="only the C kernels")
+    p.add_argument("--out", default="gemm_ceiling")
+    a = p.parse_args(argv)
+    res = run(repeats=a.repeats, mfma=a.mfma, libraries=not a.no_libraries, log=lambda s: print(s, flush=True))
+    save(res, a.out)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
