@@ -199,8 +199,10 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
     res = train.get("small-tuned")
     row = (res or {}).get("variants", {}).get("jax_fp32", {})
     note = ("The microkernel is the inner loop of a BLAS GEMM with its operands already in L1/L2; a full GEMM adds "
-            "packing, memory traffic and edges, so its rate is an upper bound for any matmul on this CPU, and the "
-            "FMA row is not reachable by a GEMM at all (the microkernel's loads and broadcasts share the cycles).")
+            "packing, memory traffic and edges to it, so its rate is a practical upper bound for any fp32 matmul on "
+            "this CPU. The FMA row is the units' peak with no loads at all; a GEMM kernel cannot avoid loading its "
+            "operands (the 6x16 block, the largest that fits AVX2's 16 vector registers, issues 8 loads and "
+            "broadcasts per 12 FMAs).")
     if row and not common.failed(row) and res.get("flops_per_step_causal"):
         gflops = res["flops_per_step_causal"] / 1e9 / (row["step_s"]["median"])
         tokens = res["seq"] * res["batch"] * res.get("micro_steps", 1)
