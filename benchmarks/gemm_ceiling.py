@@ -4,7 +4,7 @@ The train-step tables quote jaxgpt's FLOP/s against a GEMM *probe* (the librarie
 asks whether those libraries leave anything on the table: it compiles ``benchmarks/kernels/fma_ceiling.c`` (gcc,
 AVX2 + FMA, OpenMP) and measures, in one run, on 1 thread and on all cores:
 
-* ``fma``: the FMA units' peak (12 independent register-only FMA chains; no loads);
+* ``fma``: the FMA units' peak (12 independent register-only FMA chains with distinct values; no loads);
 * ``kernel``: the 6x16 AVX2 microkernel that BLIS/OpenBLAS-style GEMMs are built from, on packed panels that stay
   in L1/L2: a GEMM's inner loop with no memory traffic, packing or edges. A library GEMM cannot beat it by much;
 * the libraries: jax (XLA:CPU, YNNPACK) and torch fp32 2048^3 matmuls (``benchmarks.worker``'s GEMM probe).
@@ -50,20 +50,39 @@ def unsupported() -> str | None:
     return None
 
 
+CFLAGS = ["-O2", "-mavx2", "-mfma", "-fopenmp"]
+
+
+def compiler() -> str:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
+
+
 def build() -> Path:
-    """Compile the kernels once per source version into the git-ignored scratch folder."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """Compile the kernels once per (source, compiler, flags) into the git-ignored scratch folder."""
+    cc = compiler()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *CFLAGS]).encode()).hexdigest()[:12]
     exe = common.TMP / f"fma_ceiling-{digest}"
     if not exe.exists():
         common.TMP.mkdir(parents=True, exist_ok=True)
-        cc = os.environ.get("CC") or shutil.which("gcc") or "cc"
         tmp = exe.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([cc, "-O2", "-mavx2", "-mfma", "-fopenmp", str(SOURCE), "-o", str(tmp)],
-                              capture_output=True, text=True)
+        try:
+            proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C compiler {cc!r}: {e}") from e
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} could not build {SOURCE.name}: {proc.stderr[-2000:]}")
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{cc} {' '.join(CFLAGS)} could not build {SOURCE.name}: {proc.stderr[-2000:]}")
         tmp.replace(exe)
     return exe
+
+
+def fma_instructions() -> int:
+    """FMA instructions in the compiled assembly: 12 in the microkernel's loop and 12 in the peak loop, unless the
+    compiler merged chains (it does, if they start from the same value: the peak would then be overstated 12x per
+    instruction counted)."""
+    proc = subprocess.run([compiler(), *CFLAGS, "-S", str(SOURCE), "-o", "-"], capture_output=True, text=True,
+                          check=True)
+    return sum(line.strip().startswith("vfmadd") for line in proc.stdout.splitlines())
 
 
 def measure(exe: Path, mode: str, threads: int, mfma: float) -> dict[str, Any]:
@@ -82,21 +101,35 @@ def expected_checksum() -> float:
     return float(sum((a.T @ b[p]).sum() for p in range(PANELS)))
 
 
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the CPUs this process may run on (cgroups, taskset)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def run(*, repeats: int = 5, mfma: float = 4000.0, libraries: bool = True, log=print) -> dict[str, Any]:
-    cores = os.cpu_count() or 1
+    n = cores()
     res: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "git": common.git_rev(),
-                           "cpu": common.cpu_info(), "cores": cores, "loadavg_start": common.loadavg(),
+                           "cpu": common.cpu_info(), "cores": n, "loadavg_start": common.loadavg(),
                            "command": common.command_line()}
     why = unsupported()
+    if why is None:
+        try:
+            exe = build()
+        except RuntimeError as e:
+            why = str(e)
     if why:
         res["skipped"] = why
         log(f"gemm_ceiling not run: {why}")
         return res
-    exe = build()
     want = expected_checksum()
     for mode in ("fma", "kernel"):
-        for threads in sorted({1, cores}):
+        for threads in sorted({1, n}):
             runs = [measure(exe, mode, threads, mfma) for _ in range(repeats)]
+            if {r["threads"] for r in runs} != {threads}:
+                raise RuntimeError(f"asked OpenMP for {threads} thread(s), got {sorted({r['threads'] for r in runs})}"
+                                   " (OMP_DYNAMIC / OMP_THREAD_LIMIT?)")
             if mode == "kernel":
                 got = {r["checksum"] for r in runs}
                 if got != {want}:
@@ -113,9 +146,10 @@ def run(*, repeats: int = 5, mfma: float = 4000.0, libraries: bool = True, log=p
             spec = {"task": "gemm", "framework": fw, "sizes": [[2048, 2048, 2048]], "reps": repeats,
                     "use_library": False}
             r = common.run_worker(spec, env)
-            res["libraries"][fw] = {"error": r["error"][-300:]} if "error" in r else {
-                "fp32_gflops": r["fp32_gflops"], "fp32_by_size": r["fp32_by_size"]}
-            log(f"{fw} fp32 GEMM: {r.get('fp32_gflops', r.get('error', '')[-200:])}")
+            big = (r.get("fp32_by_size") or {}).get("2048x2048x2048")
+            res["libraries"][fw] = {"error": r.get("error", "no 2048^3 measurement")[-300:]} if big is None else {
+                "fp32_gflops": big, "fp32_by_size": r["fp32_by_size"]}
+            log(f"{fw} fp32 GEMM 2048^3: {res['libraries'][fw].get('fp32_gflops', res['libraries'][fw].get('error'))}")
     res["loadavg_end"] = common.loadavg()
     return res
 
@@ -128,7 +162,7 @@ def markdown(res: dict[str, Any]) -> str:
         return head + f"\n\nNot run: {res['skipped']}."
     cores = res["cores"]
     fma, kern = res[f"fma_gflops_{cores}t"], res[f"kernel_gflops_{cores}t"]
-    rows = [("FMA units, register-only (12 chains, no loads)", res["fma_gflops_1t"], fma),
+    rows = [("FMA units, register-only (12 independent chains, no loads)", res["fma_gflops_1t"], fma),
             ("6x16 AVX2 GEMM microkernel, L1/L2-resident packed panels", res["kernel_gflops_1t"], kern)]
     lines = [head, "", f"| what | 1 thread GFLOP/s | {cores} threads GFLOP/s | of the FMA peak | of the microkernel |",
              "|---|---:|---:|---:|---:|"]

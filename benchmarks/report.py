@@ -163,7 +163,8 @@ def profile_section(train: dict[str, dict]) -> list[str]:
            f"{other_ms:,.0f} ms (XLA runs independent thunks concurrently, so the sums can exceed the step). "
            + dtypes, ""]
     if res:
-        gflop = res["flops_per_step"] / 1e9
+        causal = res.get("flops_per_step_causal")  # the same count as the targets' ceiling row, where recorded
+        gflop = (causal or res["flops_per_step"]) / 1e9
         peak = res["gemm_peak"][precision]["best_gflops"]
         floor_ms = 1e3 * gflop / peak
         fastest = res.get("fastest_torch")
@@ -175,7 +176,9 @@ def profile_section(train: dict[str, dict]) -> list[str]:
         head = 6 * tokens * cfg.n_embd * cfg.vocab_size / 1e9  # the tied lm_head's forward + 2 backward matmuls
         row = res["variants"].get(f"jax_{precision}", {})
         bench_ms = 1e3 * row["step_s"]["median"] if row and not common.failed(row) else None
-        out += [f"Floor: {gflop:,.1f} GFLOP of matmuls per step at the probe's {precision} {peak:,.0f} GFLOP/s is "
+        out += [f"Floor: {gflop:,.1f} GFLOP of matmuls per step ("
+                + ("causal attention counted half" if causal else "attention unmasked")
+                + f") at the probe's {precision} {peak:,.0f} GFLOP/s is "
                 f"{floor_ms:,.0f} ms = {tokens / floor_ms * 1e3:,.0f} tok/s"
                 + (f", {tokens / floor_ms * 1e3 / t:.2f}x this run's fastest torch variant ({fastest})" if t else "")
                 + (f"; the train-step table's jax_{precision} step takes {bench_ms:,.0f} ms, {bench_ms / floor_ms:.2f}x "
@@ -200,18 +203,17 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
     kern = ceil[f"kernel_gflops_{ceil['cores']}t"]
     res = train.get("small-tuned")
     row = (res or {}).get("variants", {}).get("jax_fp32", {})
-    note = ("The microkernel is the inner loop of a BLAS GEMM with its operands already in L1/L2; a full GEMM adds "
-            "packing, memory traffic and edges to it, so its rate is a practical upper bound for any fp32 matmul on "
-            "this CPU. The FMA row is the units' peak with no loads at all; a GEMM kernel cannot avoid loading its "
-            "operands (the 6x16 block, the largest that fits AVX2's 16 vector registers, issues 8 loads and "
-            "broadcasts per 12 FMAs).")
+    note = ("The FMA row is the hard bound: the units' peak with no loads at all. The microkernel is the inner loop "
+            "of a BLAS GEMM with its operands already in L1/L2; a full GEMM adds packing, memory traffic and edges "
+            "to it, so its rate is a practical ceiling for an fp32 matmul on this CPU (measured, not proven).")
     if row and not common.failed(row) and res.get("flops_per_step_causal"):
         gflops = res["flops_per_step_causal"] / 1e9 / (row["step_s"]["median"])
         tokens = res["seq"] * res["batch"] * res.get("micro_steps", 1)
         best = tokens * kern * 1e9 / res["flops_per_step_causal"]
         fastest = res.get("fastest_torch")
         t = _tps(res, fastest)
-        note += (f" jaxgpt's small step (train-step table above) runs its matmul FLOPs, causal attention counted half, "
+        note += (f" jaxgpt's small step (the train-step table above: another run, and this machine's speed drifts "
+                 f"by several percent between runs) runs its matmul FLOPs, causal attention counted half, "
                  f"at {gflops:,.0f} GFLOP/s = {gflops / kern:.0%} of the microkernel; every matmul at the microkernel "
                  f"rate and nothing else would be {best:,.0f} tok/s"
                  + (f", {best / t:.2f}x {fastest}" if t else "") + ".")

@@ -347,7 +347,8 @@ def nonmatmul_flops(config: GPTConfig, seq_len: int, *, batch_size: int = 1, tra
     Backward, per token, as emitted by JAX's autodiff of that code (counted from the jaxpr; the JVP adds a
     few ops per element on top of the textbook derivative): layernorm 16 C each; GELU 14 per element
     (56 C per layer); attention 11 N T per layer (softmax backward P * (dP - sum(P dP)), the mask and the
-    scale); bias gradients 9 C per layer (sums over tokens); the q/k/v split's gradient 6 C per layer;
+    scale); bias gradients 9 C per layer (sums over tokens); nothing in the residual category (the q/k/v
+    split's gradient is a concatenate, as the model splits with ``jnp.split``);
     embedding 2.5 C per token plus the wte gradient's two paths summed (Vp C per micro-step); loss ~5.5 Vp
     + 3 C per token (exp(logits - lse), minus the one-hot, its mask, scaling dh) plus the chunked
     wte-gradient accumulation (C Vp per micro-step) when fused; ~5 V per token for the plain loss.
@@ -377,7 +378,6 @@ def nonmatmul_flops(config: GPTConfig, seq_len: int, *, batch_size: int = 1, tra
             "embedding": int(2.5 * C * M) + Vp * C,
             "layernorm": (2 * L + 1) * 16 * C * M,
             "bias": b * 9 * C * L * M,
-            "residual": 6 * C * L * M,  # the q/k/v split's gradient (three slices summed into one)
             "attention": 11 * N * T * L * M,
             "gelu": 56 * C * L * M,
             "loss": 0 if not loss else (int(5.5 * Vp + 3 * C) * M + C * Vp if fused_loss

@@ -1,6 +1,7 @@
 /* How fast can any fp32 GEMM run on this CPU? Two measurements, printed as JSON (benchmarks/gemm_ceiling.py).
  *
- *   fma    : the FMA units' peak: 12 independent chains of 8-lane fused multiply-adds, no memory operands.
+ *   fma    : the FMA units' peak: 12 independent chains (distinct values, so no compiler can merge them) of 8-lane
+ *            fused multiply-adds, no memory operands.
  *   kernel : the inner loop every BLAS GEMM is built from (BLIS/OpenBLAS "Haswell" 6x16 microkernel): a 6x16 block
  *            of C kept in 12 registers; per k, two 8-float loads of a packed B panel, six broadcasts of a packed A
  *            panel, 12 FMAs. Panels are small enough to stay in L1/L2, so this is the GEMM rate with no memory
@@ -42,6 +43,10 @@ static float run_kernel(long reps) {
     float *a = aligned_alloc(64, sizeof(float) * MR * KC);
     float *b = aligned_alloc(64, sizeof(float) * KC * NR * PANELS);
     float *c = aligned_alloc(64, sizeof(float) * MR * NR * PANELS);
+    if (!a || !b || !c) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
     for (int i = 0; i < MR * KC; i++) a[i] = (float)(i % 7 - 2) * 0.25f;
     for (int i = 0; i < KC * NR * PANELS; i++) b[i] = (float)(i % 5 - 1) * 0.5f;
     for (int i = 0; i < MR * NR * PANELS; i++) c[i] = 0.0f;
@@ -57,8 +62,10 @@ static float run_kernel(long reps) {
 }
 
 static float run_fma(long n12) {
+    /* distinct start values: identical chains would be merged by the compiler into one (then 1 FMA per 12 counted) */
     __m256 x = _mm256_set1_ps(1.0001f), y = _mm256_set1_ps(0.9999f);
-    __m256 c0 = x, c1 = x, c2 = x, c3 = x, c4 = x, c5 = x, c6 = x, c7 = x, c8 = x, c9 = x, c10 = x, c11 = x;
+#define START(i) __m256 c##i = _mm256_set1_ps(1.0f + 0.01f * i);
+    START(0) START(1) START(2) START(3) START(4) START(5) START(6) START(7) START(8) START(9) START(10) START(11)
     for (long i = 0; i < n12; i++) {
         c0 = _mm256_fmadd_ps(c0, y, x); c1 = _mm256_fmadd_ps(c1, y, x); c2 = _mm256_fmadd_ps(c2, y, x);
         c3 = _mm256_fmadd_ps(c3, y, x); c4 = _mm256_fmadd_ps(c4, y, x); c5 = _mm256_fmadd_ps(c5, y, x);
@@ -83,6 +90,7 @@ int main(int argc, char **argv) {
     const long fma_per_rep = kernel ? (long)KC * 12 * PANELS : 12; /* FMA instructions per repetition */
     const long reps = (long)(mfma * 1e6 / fma_per_rep) + 1;
     float checksum = 0.0f;
+    int ran = 0; /* threads that actually ran (OMP_DYNAMIC or OMP_THREAD_LIMIT may give fewer than asked) */
     omp_set_num_threads(threads);
     double t0 = 0, t1 = 0;
 #pragma omp parallel
@@ -90,7 +98,10 @@ int main(int argc, char **argv) {
         float r = 0.0f;
 #pragma omp barrier
 #pragma omp master
-        t0 = now();
+        {
+            ran = omp_get_num_threads();
+            t0 = now();
+        }
         r = kernel ? run_kernel(reps) : run_fma(reps);
 #pragma omp barrier
 #pragma omp master
@@ -99,9 +110,9 @@ int main(int argc, char **argv) {
             checksum = r;
         }
     }
-    double flops = 16.0 * fma_per_rep * reps * threads; /* 8 lanes x 2 flops per FMA instruction */
+    double flops = 16.0 * fma_per_rep * reps * ran; /* 8 lanes x 2 flops per FMA instruction */
     printf("{\"mode\": \"%s\", \"threads\": %d, \"gflops\": %.2f, \"seconds\": %.4f, \"reps\": %ld, "
-           "\"checksum\": %.4f}\n", kernel ? "kernel" : "fma", threads, flops / (t1 - t0) / 1e9, t1 - t0, reps,
+           "\"checksum\": %.4f}\n", kernel ? "kernel" : "fma", ran, flops / (t1 - t0) / 1e9, t1 - t0, reps,
            checksum);
     return 0;
 }
