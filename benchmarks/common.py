@@ -63,6 +63,15 @@ def shown(path: Path) -> str:
         return str(path)
 
 
+def save_result(name: str, res: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write one benchmark's result as ``<name>.json`` and its table as ``<name>.md`` under :data:`RESULTS`."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    j, m = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    j.write_text(json.dumps(res, indent=1, default=str))
+    m.write_text(markdown + "\n")
+    return j, m
+
+
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -180,7 +189,7 @@ def cpu_info() -> dict[str, Any]:
         "family": fields.get("cpu family"),
         "model": fields.get("model"),
         "hypervisor": "hypervisor" in flags,
-        "flags": {f: f in flags for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
+        "flags": {f: f in flags for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni",
                                           "amx_bf16", "amx_tile", "amx_int8")},
     })
     try:

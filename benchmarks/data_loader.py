@@ -10,7 +10,6 @@ Each (mode, shape) runs in its own subprocess after 5 untimed batches; tokens/s 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
@@ -69,9 +68,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def save(res: dict[str, Any], name: str = "data_loader") -> None:
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    (common.RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (common.RESULTS / f"{name}.md").write_text(markdown(res) + "\n")
+    common.save_result(name, res, markdown(res))
 
 
 def main(argv=None) -> int:

@@ -38,11 +38,10 @@ def unsupported() -> str | None:
     """Why the C kernels cannot run here, or None."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the kernels are x86-64 AVX2 code; this machine is {platform.machine()}"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split("\n\n")[0].split("flags", 1)[1].split("\n")[0].split())
-    except (OSError, IndexError):
+    flags = common.cpu_info().get("flags")
+    if flags is None:
         return "cannot read the CPU flags from /proc/cpuinfo"
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma") if not flags[f]]
     if missing:
         return f"this CPU lacks {' and '.join(missing)}"
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):
@@ -180,9 +179,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def save(res: dict[str, Any], name: str = "gemm_ceiling") -> None:
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    (common.RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (common.RESULTS / f"{name}.md").write_text(markdown(res) + "\n")
+    common.save_result(name, res, markdown(res))
 
 
 def main(argv=None) -> int:

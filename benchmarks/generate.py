@@ -11,7 +11,6 @@ tokens/s = prompts x new tokens / seconds (prefill included). Sampling: temperat
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -105,9 +104,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def save(res: dict[str, Any], name: str = "generate") -> None:
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    (common.RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str))
-    (common.RESULTS / f"{name}.md").write_text(markdown(res) + "\n")
+    common.save_result(name, res, markdown(res))
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,6 @@ accumulation, in both frameworks) runs at the start of every round; the machine'
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -236,12 +235,7 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def save(res: dict[str, Any], name: str | None = None) -> tuple[Path, Path]:
-    common.RESULTS.mkdir(parents=True, exist_ok=True)
-    name = name or f"train_step-{res['shape']}-{res['allocator']}"
-    j, m = common.RESULTS / f"{name}.json", common.RESULTS / f"{name}.md"
-    j.write_text(json.dumps(res, indent=1, default=str))
-    m.write_text(markdown(res) + "\n")
-    return j, m
+    return common.save_result(name or f"train_step-{res['shape']}-{res['allocator']}", res, markdown(res))
 
 
 def quick_check(res: dict[str, Any], min_ratio: float = QUICK_MIN_RATIO) -> tuple[bool, str]:

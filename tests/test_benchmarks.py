@@ -221,12 +221,17 @@ def test_generate_with_every_variant_skipped(monkeypatch, tmp_path):
 
 
 # ---- GEMM ceiling: the C microkernel against the libraries ------------------------------------------------------
+def _gemm_ceiling_unsupported() -> str | None:
+    from benchmarks import gemm_ceiling
+
+    return gemm_ceiling.unsupported()
+
+
+# runs wherever the C kernels can (x86-64 Linux with AVX2, FMA and gcc: CI and every machine of this project)
+@pytest.mark.skipif(_gemm_ceiling_unsupported() is not None, reason=f"{_gemm_ceiling_unsupported()}")
 def test_gemm_ceiling_kernel_is_exact_and_its_chains_are_not_merged():
     from benchmarks import gemm_ceiling
 
-    why = gemm_ceiling.unsupported()
-    if why:
-        pytest.skip(why)
     # the C program's C = A B, computed by hand-fed numpy: exact, as every input is a small multiple of 1/8
     assert gemm_ceiling.expected_checksum() == 48958.375
     res = gemm_ceiling.run(repeats=1, mfma=20, libraries=False, log=lambda s: None)  # raises on a wrong C
