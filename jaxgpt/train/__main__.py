@@ -1,0 +1,7 @@
+"""``python -m jaxgpt.train``."""
+
+import sys
+
+from jaxgpt.train.cli import main
+
+sys.exit(main())

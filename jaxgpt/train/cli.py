@@ -1,0 +1,127 @@
+"""``python -m jaxgpt.train``: parse ``--config`` and ``--field=value`` overrides, run, map errors to exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxgpt.config import ConfigError, _type_name
+from jaxgpt.distributed import EXIT_DISTRIBUTED
+from jaxgpt.train.config import TrainConfig
+
+# glibc's malloc hands XLA:CPU fresh pages for its big per-step buffers every step; these settings keep them
+# (+25-40% tokens/s on our 2-core CPUs, shared/notes/cpu-performance.md). They must be set before start-up,
+# so `main` re-executes the process once with them on CPU-only installs (JAXGPT_NO_MALLOC_TUNING=1: don't).
+MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+
+
+class UsageError(ConfigError):
+    pass
+
+
+def _field_help(cls: type, prefix: str = "") -> list[str]:
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if nested:
+            lines += _field_help(nested[0], f"{prefix}{f.name}.")
+        else:
+            lines.append(f"  --{prefix}{f.name}=<{_type_name(tp)}>")
+    return lines
+
+
+def usage() -> str:
+    doc = sys.modules["jaxgpt.train"].__doc__  # the package's docstring: what the command does
+    return (doc.split("\n\n")[0] + "\n\nusage: python -m jaxgpt.train [--config FILE] [--print-config] "
+            "[--FIELD=VALUE ...]\n\nfields:\n" + "\n".join(_field_help(TrainConfig)))
+
+
+def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
+    """``--config FILE``, ``--print-config`` and ``--dotted.field=value`` / ``--dotted.field value``."""
+    config_path, overrides, print_config = None, {}, False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if not arg.startswith("--") or arg == "--":
+            raise UsageError(f"unexpected argument {arg!r}: overrides look like --field=value; see --help")
+        key, eq, value = arg[2:].partition("=")
+        if key == "print-config":
+            print_config = True
+            continue
+        if not eq:
+            if i >= len(argv) or argv[i].startswith("--"):
+                raise UsageError(f"--{key} needs a value (--{key}=VALUE)")
+            value = argv[i]
+            i += 1
+        if key == "config":
+            config_path = Path(value)
+            continue
+        try:
+            overrides[key.replace("-", "_")] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            overrides[key.replace("-", "_")] = value
+    return config_path, overrides, print_config
+
+
+def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
+    if os.environ.get("GLIBC_TUNABLES") or os.environ.get("JAXGPT_NO_MALLOC_TUNING") or sys.platform != "linux":
+        return
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
+        return  # an accelerator install: the host allocator is not the bottleneck
+    env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
+    os.execve(sys.executable, [sys.executable, "-m", "jaxgpt.train", *argv], env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from_cli = argv is None
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
+    try:
+        config_path, overrides, print_config = parse_args(argv)
+        cfg = TrainConfig.load(config_path, overrides)
+        cfg.micro_steps()  # divisibility, before anything starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    if from_cli:
+        _maybe_reexec_with_malloc_tuning(argv)
+    from jaxgpt import distributed
+    from jaxgpt.checkpoint import NoCheckpointError
+    from jaxgpt.data import DataError
+    from jaxgpt.train.run import NonFiniteLoss, train
+    from jaxgpt.weights import CheckpointError
+
+    try:  # before anything starts JAX's backends
+        distributed.initialize_from_env(cfg.distributed)
+    except (ConfigError, distributed.DistributedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DISTRIBUTED if isinstance(e, distributed.DistributedError) else EXIT_CONFIG
+    try:
+        train(cfg)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except (ConfigError, NoCheckpointError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0

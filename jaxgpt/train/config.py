@@ -1,0 +1,185 @@
+"""The training configuration: :class:`TrainConfig` (typed, frozen, validated field by field), loading it from a
+YAML preset with dotted overrides, and the default preset's path."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from jaxgpt.config import PRESETS, ConfigError, GPTConfig, from_dict, load_yaml, to_dict
+from jaxgpt.distributed import DistributedConfig
+from jaxgpt.mesh import MeshConfig
+from jaxgpt.optim import OptimConfig
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare-cpu.yaml"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs. Build it with :meth:`from_dict` (validates every field)."""
+
+    # ---- model ------------------------------------------------------------------------------------------
+    model_preset: str | None = None  # a jaxgpt.config.PRESETS name; `model` fields override its values
+    model: GPTConfig | None = None  # the model shape (init_from: scratch); resolved from model_preset
+    init_from: str = "scratch"  # "scratch", a Hugging Face name ("gpt2", "gpt2-medium", ...) or a local HF dir
+    dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # matmul operands; auto: bf16 where it is fast
+    attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
+    # ---- optimizer --------------------------------------------------------------------------------------
+    optim: OptimConfig = OptimConfig()
+    # ---- data -------------------------------------------------------------------------------------------
+    data_source: str = "shakespeare"  # a jaxgpt.data source: "shakespeare", "hf:NAME_OR_FILES", text globs
+    data_dir: str | None = None  # shards directory (prepared there if missing); None: data_cache/<source>
+    loader_mode: Literal["sequential", "random"] = "random"
+    batch_size: int = 8  # micro batch (rows per forward/backward), per process
+    seq_len: int = 256
+    total_batch_tokens: int | None = None  # tokens per optimizer step; None: batch_size * seq_len * processes
+    # ---- schedule ---------------------------------------------------------------------------------------
+    max_steps: int = 1000  # optimizer steps
+    log_interval: int = 1  # steps between metrics.jsonl / TensorBoard records
+    eval_interval: int = 100  # steps between validation losses (0: only at the end)
+    eval_steps: int = 20  # validation batches per evaluation (always the same first ones)
+    sample_interval: int = 0  # steps between samples (0: only at the end; -1: never)
+    sample_prompt: str = "\n"
+    sample_num: int = 2
+    sample_len: int = 64  # new tokens per sample
+    sample_temperature: float = 0.8
+    sample_top_k: int | None = 200
+    checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
+    keep_checkpoints: int = 3  # the last K checkpoints are kept
+    async_checkpoint: bool = True
+    # ---- run --------------------------------------------------------------------------------------------
+    out_dir: str = "runs/default"
+    resume: Literal["auto", "never", "must"] = "auto"
+    seed: int = 1337
+    tensorboard: bool = True  # when tensorboardX or torch.utils.tensorboard (+ tensorboard) is importable
+    plot: bool = True  # loss.png at the end
+    progress: bool = True  # the tqdm progress bar
+    # ---- devices and processes --------------------------------------------------------------------------
+    mesh: MeshConfig = MeshConfig()  # data x fsdp axis sizes (-1: the rest); default all devices data parallel
+    distributed: DistributedConfig = DistributedConfig()  # multi-process settings; unset: $JAXGPT_* / SLURM
+
+    def __post_init__(self) -> None:
+        n = type(self).__name__
+
+        def check(field: str, ok: bool, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(f"{n}.{field} = {getattr(self, field)!r}: {allowed}")
+
+        for field in ("batch_size", "seq_len", "max_steps", "log_interval", "eval_steps", "sample_num",
+                      "keep_checkpoints"):
+            check(field, getattr(self, field) >= 1, "must be an integer >= 1")
+        for field in ("eval_interval", "checkpoint_interval", "sample_len", "seed"):
+            check(field, getattr(self, field) >= 0, "must be an integer >= 0")
+        check("sample_interval", self.sample_interval >= -1, "must be an integer >= -1 (-1: never sample)")
+        check("sample_temperature", self.sample_temperature >= 0, "must be >= 0 (0: greedy)")
+        check("sample_top_k", self.sample_top_k is None or self.sample_top_k >= 0, "must be null or >= 0")
+        check("dropout", self.dropout is None or 0.0 <= self.dropout < 1.0, "must be null or in [0, 1)")
+        check("total_batch_tokens", self.total_batch_tokens is None or self.total_batch_tokens >= 1,
+              "must be null or an integer >= 1")
+        if self.model_preset is not None and self.model_preset not in PRESETS:
+            raise ConfigError(f"{n}.model_preset = {self.model_preset!r}: valid presets are {sorted(PRESETS)}")
+        if self.init_from == "scratch":
+            check("model", self.model is not None, "init_from: scratch needs a model shape: set model_preset "
+                  f"(one of {sorted(PRESETS)}) and/or model fields")
+            check("seq_len", self.seq_len <= self.model.block_size,
+                  f"must be <= model.block_size ({self.model.block_size})")
+        else:
+            check("model", self.model is None and self.model_preset is None,
+                  f"init_from: {self.init_from} takes the model shape from the checkpoint; leave model and "
+                  "model_preset unset (use `dropout` to change the dropout rate)")
+
+    # ---- construction -----------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        """Validate and build; ``model`` fields are merged over ``model_preset``'s, numbers given as strings
+        (YAML reads ``3e-4`` as a string) become numbers where the field is numeric."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"TrainConfig: expected a mapping of fields, got {type(data).__name__}")
+        data = dict(data)
+        if isinstance(data.get("mesh"), str):  # --mesh=data=2,fsdp=4
+            data["mesh"] = MeshConfig.parse(data["mesh"]).to_dict()
+        preset = data.get("model_preset")
+        if isinstance(preset, str) and preset in PRESETS:
+            model = data.get("model") or {}
+            if isinstance(model, GPTConfig):
+                model = to_dict(model)
+            if isinstance(model, dict):
+                data["model"] = {**PRESETS[preset], **model}
+        data = _coerce_numbers(cls, data)
+        if isinstance(data.get("model"), dict):  # built here: from_dict's `X | None` hides the nested error
+            data["model"] = GPTConfig.from_dict(data["model"])
+        return from_dict(cls, data)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "TrainConfig":
+        data = load_yaml(path or DEFAULT_CONFIG)
+        for dotted, value in (overrides or {}).items():
+            set_dotted(data, dotted, value)
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    # ---- derived ----------------------------------------------------------------------------------------
+    def micro_steps(self, process_count: int = 1) -> int:
+        """Gradient-accumulation steps per optimizer step."""
+        per_micro = self.batch_size * self.seq_len * process_count
+        if self.total_batch_tokens is None:
+            return 1
+        if self.total_batch_tokens % per_micro:
+            lo = max(per_micro, self.total_batch_tokens // per_micro * per_micro)
+            raise ConfigError(
+                f"TrainConfig.total_batch_tokens = {self.total_batch_tokens:,}: must be a multiple of "
+                f"batch_size * seq_len * processes = {self.batch_size} * {self.seq_len} * {process_count} = "
+                f"{per_micro:,} (e.g. {lo:,} or {lo + per_micro:,})")
+        return self.total_batch_tokens // per_micro
+
+    def resolved_data_dir(self) -> Path:
+        if self.data_dir is not None:
+            return Path(self.data_dir)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.data_source.removeprefix("hf:"))
+        return Path("data_cache") / safe
+
+
+def _accepts(tp: Any, kind: type) -> bool:
+    """Whether the annotation ``tp`` (possibly a union) admits ``kind``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_accepts(a, kind) for a in typing.get_args(tp))
+    return tp is kind
+
+
+def _coerce_numbers(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """Strings that spell numbers, in numeric fields, become numbers (recursively into nested configs)."""
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for k, v in data.items():
+        tp = hints.get(k)
+        if tp is None:
+            continue
+        nested = [a for a in (tp, *typing.get_args(tp)) if dataclasses.is_dataclass(a)]
+        if nested and isinstance(v, dict):
+            out[k] = _coerce_numbers(nested[0], v)
+        elif isinstance(v, str) and not _accepts(tp, str):
+            try:
+                out[k] = int(v) if _accepts(tp, int) and v.strip().lstrip("+-").isdigit() else float(v)
+            except ValueError:
+                pass  # left for from_dict to reject with the field's name
+    return out
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``data["a"]["b"] = value`` for ``dotted = "a.b"`` (creating the nested mapping)."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for i, p in enumerate(parents):
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted}: {'.'.join(parents[: i + 1])} is not a mapping of fields")
+        node = child
+    node[leaf] = value

@@ -1,0 +1,126 @@
+"""What a run records: ``metrics.jsonl`` (+ TensorBoard), ``loss.png``, and the throughput figures beside the
+loss (parameter count, model FLOPs per step, the device's peak for MFU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxgpt.config import GPTConfig
+
+
+def count_params(params: Any) -> int:
+    import jax
+
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_steps: int) -> float:
+    """Model (matmul) FLOPs of one optimizer step on one process (jaxgpt.flops: forward + backward, full
+    T x T attention, the lm_head over the padded vocabulary)."""
+    from jaxgpt.flops import count_flops
+
+    return float(count_flops(config, seq_len, batch_size=batch_size, grad_accum=micro_steps).training_per_step)
+
+
+def device_peak_flops(dtype: str) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device for MFU (jaxgpt.account: a table for accelerators, a GEMM probe
+    measured once per process on CPU), and where the number came from; None for a device it doesn't know."""
+    import jax
+
+    from jaxgpt import account
+
+    dev = jax.local_devices()[0]
+    if dev.platform == "gpu" and dtype == "float32" and jax.config.jax_default_matmul_precision in (None, "default"):
+        dtype = "tf32"  # JAX runs fp32 matmuls on TF32 tensor cores unless precision is pinned
+    try:
+        peak = float(account.peak_flops(dev, dtype))
+    except account.AccountError as e:  # an unknown device: no MFU, but train anyway
+        return None, f"unknown: {e}"
+    return peak, "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
+
+
+class MetricsLog:
+    """metrics.jsonl (+ TensorBoard when importable); a no-op unless ``enabled`` (process 0 writes)."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None, enabled: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.file = self.tb = None
+        if not enabled:
+            return
+        if truncate_after is not None and self.path.exists():  # resumed: drop what the killed run logged later
+            keep = [r for r in read_metrics(run_dir) if r.get("step", 0) <= truncate_after]
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+            tmp.replace(self.path)
+        elif truncate_after is None and self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a", buffering=1)
+        if tensorboard:
+            self.tb = _summary_writer(run_dir / "tb")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            kind = record["type"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step",) and v is not None:
+                    self.tb.add_scalar(f"{kind}/{k}", v, record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _summary_writer(logdir: Path):
+    for mod in ("tensorboardX", "torch.utils.tensorboard"):
+        try:
+            return __import__(mod, fromlist=["SummaryWriter"]).SummaryWriter(str(logdir))
+        except Exception:  # not installed (torch's needs the tensorboard package)
+            continue
+    return None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (a line torn by a killed process is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def plot_losses(run_dir: str | Path) -> Path | None:
+    """loss.png: train and val loss against step, from metrics.jsonl."""
+    records = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
+    val = [(r["step"], r["val_loss"]) for r in records if r["type"] == "eval"]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val", ms=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(Path(run_dir).name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out = Path(run_dir) / "loss.png"
+    fig.savefig(out, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return out
