@@ -1,0 +1,138 @@
+"""A directory that one process writes: created with errors that name the problem, then locked against a second
+writer.
+
+``jaxgpt.train`` locks its ``out_dir`` (process 0 of a multi-process run) and ``jaxgpt.data`` its ``--out``
+before they write anything. The lock is ``flock(2)`` on ``<dir>/.jaxgpt.lock``, whose content names the holder
+(host, PID, start time, command). The kernel drops the lock when the holding process ends, however it ends, so a
+lock left by a killed process never blocks the restart; the stale file is simply taken over.
+
+    with locked_dir("runs/x", what="run directory", option="out_dir"):
+        ...  # this process is the directory's only writer
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+LOCK_NAME = ".jaxgpt.lock"
+
+
+class DirError(ValueError):
+    """The directory cannot be used: it cannot be created or written, or another process holds it."""
+
+
+class DirLocked(DirError):
+    """Another live process holds the directory's lock."""
+
+    def __init__(self, message: str, holder: dict[str, Any]):
+        super().__init__(message)
+        self.holder = holder
+
+
+def make_dir(path: str | os.PathLike, *, what: str = "directory", option: str = "out_dir") -> Path:
+    """Create ``path`` (and its parents) if needed and check it is a writable directory; ``DirError`` names the
+    problem (a regular file on the way, no permission, a read-only file system) and the ``option`` to change."""
+    path = Path(path)
+    fix = f"choose another {option}"
+    blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise DirError(f"{option} {str(path)!r}: {str(blocker)!r} is a file, not a directory, so the {what} cannot "
+                       f"be created there; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DirError(f"{option} {str(path)!r}: cannot create the {what} ({e.strerror or e}); {fix}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise DirError(f"{option} {str(path)!r}: the {what} is not writable by this user; {fix} or fix its "
+                       "permissions")
+    return path
+
+
+class DirLock:
+    """An exclusive lock on a directory (see the module docstring). :meth:`acquire` raises :class:`DirLocked`
+    naming the holder when another process has it."""
+
+    def __init__(self, directory: str | os.PathLike, *, what: str = "directory", option: str = "out_dir"):
+        self.directory, self.what, self.option = Path(directory), what, option
+        self.path = self.directory / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "DirLock":
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise DirError(f"{self.option} {str(self.directory)!r}: cannot create the lock file {self.path} "
+                           f"({e.strerror or e}); choose another {self.option}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise DirError(f"{self.option} {str(self.directory)!r}: cannot lock {self.path} "
+                               f"({e.strerror or e})") from e
+            raise DirLocked(self._locked_message(holder), holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(_me(), indent=1) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def _locked_message(self, holder: dict[str, Any]) -> str:
+        who = (f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (started {holder.get('started', '?')}"
+               + (f": {holder['command']}" if holder.get("command") else "") + ")") if holder else "another process"
+        return (f"{self.option} {str(self.directory)!r}: the {self.what} is in use by {who}. Two writers would mix "
+                f"their files. Wait for it to finish or stop it, or choose another {self.option}. (The lock is "
+                f"{self.path}; it is released when that process ends, however it ends.)")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # no holder named once released
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def locked_dir(path: str | os.PathLike, *, what: str = "directory", option: str = "out_dir") -> Iterator[Path]:
+    """:func:`make_dir`, then hold its :class:`DirLock` for the ``with`` block."""
+    path = make_dir(path, what=what, option=option)
+    with DirLock(path, what=what, option=option):
+        yield path
+
+
+def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(getattr(sys, "orig_argv", sys.argv))[:500]}
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
