@@ -154,6 +154,11 @@ class Checkpoints:
         step = self._step(step)
         return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
+    def saved_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` item of ``step`` (its step, RNG key, loader position and extras) without any array."""
+        step = self._step(step)
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
     def _step(self, step: int | None) -> int:
         steps = self.all_steps()
         if step is None:

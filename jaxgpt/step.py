@@ -199,6 +199,13 @@ def _put_key(key: jax.Array, sharding: NamedSharding) -> jax.Array:
                                     impl=jax.random.key_impl(key))
 
 
+def place_batch(x, y, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """``x, y: (micro_steps, micro_batch, seq)`` placed as the train step built for ``mesh`` takes them (host
+    arrays: this process's rows), so the copy to the devices can run ahead of the step that uses them."""
+    batch = batch_sharding(mesh, 3)
+    return _put_tokens(x, batch), _put_tokens(y, batch)
+
+
 jit_grads = jax.jit(grads_fn, static_argnums=0, static_argnames=("dropout",))
 jit_grads.__doc__ = """``grads_fn`` jitted with ``graphdef`` static: calls with equal graph definitions (same config and
 policy) and shapes share one compile."""

@@ -1,4 +1,5 @@
-"""jaxgpt.train: config and CLI, a real tiny run (files), SIGKILL + resume bit-identity, NaN stop.
+"""jaxgpt.train: config and CLI, a real tiny run (files), SIGKILL + resume bit-identity, NaN stop (more on
+divergence, rollback and the run directory's lock in test_train_safety.py).
 
 The runs are real subprocesses (`python -m jaxgpt.train --config configs/tiny-test.yaml ...`) sharing a
 persistent XLA compilation cache, so only the first one pays for compiling.
@@ -191,19 +192,27 @@ def test_resume_must_without_checkpoint_and_mismatch(tmp_path, reference_run, ca
     assert (ref_dir / "metrics.jsonl").read_text() == before  # nothing touched
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
+def test_nan_loss_stops_and_saves_no_unchecked_state(tmp_path, capsys):
+    """lr 1e9: the state after step 1 gives a non-finite (or exploded) loss at step 2. The checkpoint due at
+    step 1 would hold that state, so it is never written: only states whose loss was seen healthy are saved."""
     out = tmp_path / "nan"
     code = main(TINY + [f"--out_dir={out}", *RUN_ARGS, "--optim.lr=1e9", "--optim.warmup_steps=0",
                         "--optim.grad_clip=0", "--checkpoint_interval=1", "--eval_interval=0"])
     err = capsys.readouterr().err
     assert code == 3, err[-3000:]
     assert "Traceback" not in err
-    train = [r for r in read_metrics(out) if r["type"] == "train"]
-    bad_step = len(train) + 1  # non-finite steps are not logged
-    assert f"step {bad_step}: loss nan" in err or f"step {bad_step}: loss inf" in err
-    assert f"last good checkpoint is step {bad_step - 1}" in err
+    records = read_metrics(out)
+    train = [r for r in records if r["type"] == "train"]
+    bad_step = len(train) + 1  # diverged steps are logged as divergence records, not train records
+    assert [r["step"] for r in records if r["type"] == "divergence"] == [bad_step]
+    assert f"step {bad_step}: loss " in err and "training diverged" in err
+    assert f"The newest healthy state is step {bad_step - 2}" in err
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert kept and max(kept) == bad_step - 1
+    assert kept == list(range(max(1, bad_step - 3), bad_step - 1))  # keep 2 of the checked steps < bad_step - 1
+    if kept:
+        assert f"the last good checkpoint is step {kept[-1]}" in err
+    else:
+        assert "no checkpoint was written before it" in err
     assert (out / "loss.png").exists()
 
 

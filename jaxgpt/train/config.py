@@ -51,6 +51,14 @@ class TrainConfig:
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # the last K checkpoints are kept
     async_checkpoint: bool = True
+    # ---- divergence (jaxgpt.train.guard) --------------------------------------------------------------------
+    spike_loss_factor: float = 2.0  # a loss above this times the median of the recent ones diverged (0: off)
+    spike_grad_norm_factor: float = 50.0  # likewise for the gradient norm (0: off)
+    spike_window: int = 100  # healthy steps in the running medians
+    on_divergence: Literal["stop", "rollback"] = "stop"  # rollback: back to the last checkpoint, skip the data
+    max_rollbacks: int = 3  # automatic rollbacks per process before the run stops
+    resume_step: int | None = None  # resume from this checkpoint (newer ones are moved aside, not deleted)
+    skip_batches: int = 0  # with resume_step: advance the data K global batches past that checkpoint's position
     # ---- run --------------------------------------------------------------------------------------------
     out_dir: str = "runs/default"
     resume: Literal["auto", "never", "must"] = "auto"
@@ -74,6 +82,18 @@ class TrainConfig:
             check(field, getattr(self, field) >= 1, "must be an integer >= 1")
         for field in ("eval_interval", "checkpoint_interval", "sample_len", "seed"):
             check(field, getattr(self, field) >= 0, "must be an integer >= 0")
+        for field in ("spike_loss_factor", "spike_grad_norm_factor"):
+            check(field, getattr(self, field) == 0 or getattr(self, field) > 1, "must be 0 (off) or a factor > 1")
+        check("spike_window", self.spike_window >= 1, "must be an integer >= 1")
+        check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
+        check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
+        check("skip_batches", self.skip_batches >= 0, "must be an integer >= 0")
+        check("skip_batches", self.skip_batches == 0 or self.resume_step is not None,
+              "needs resume_step, the checkpoint whose data position the skip starts from (e.g. "
+              "--resume_step=N --skip_batches=K); a skip keyed to a named step is applied once, however often "
+              "the command is re-run")
+        check("resume", self.resume_step is None or self.resume != "never",
+              "resume: never cannot resume from resume_step; use resume: auto or must")
         check("sample_interval", self.sample_interval >= -1, "must be an integer >= -1 (-1: never sample)")
         check("sample_temperature", self.sample_temperature >= 0, "must be >= 0 (0: greedy)")
         check("sample_top_k", self.sample_top_k is None or self.sample_top_k >= 0, "must be null or >= 0")

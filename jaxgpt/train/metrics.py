@@ -41,6 +41,9 @@ def device_peak_flops(dtype: str) -> tuple[float | None, str]:
     return peak, "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
 
 
+SUPERSEDED_METRICS = "metrics.superseded.jsonl"  # records a resume dropped from metrics.jsonl, appended
+
+
 class MetricsLog:
     """metrics.jsonl (+ TensorBoard when importable); a no-op unless ``enabled`` (process 0 writes)."""
 
@@ -49,8 +52,13 @@ class MetricsLog:
         self.file = self.tb = None
         if not enabled:
             return
-        if truncate_after is not None and self.path.exists():  # resumed: drop what the killed run logged later
-            keep = [r for r in read_metrics(run_dir) if r.get("step", 0) <= truncate_after]
+        if truncate_after is not None and self.path.exists():  # resumed: set aside what was logged later
+            records = read_metrics(run_dir)
+            keep = [r for r in records if r.get("step", 0) <= truncate_after]
+            later = [r for r in records if r.get("step", 0) > truncate_after]
+            if later:  # a killed run's last steps, or a resume_step's abandoned branch: kept, not deleted
+                with open(run_dir / SUPERSEDED_METRICS, "a") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in later))
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             tmp.replace(self.path)

@@ -1,10 +1,30 @@
-"""One training run, as named phases that read top-down: :meth:`Run.set_up` (mesh, data, model, optimizer,
-jitted steps, checkpoint manager), :meth:`Run.resume` (the newest checkpoint, the metrics log, ``config.yaml``),
+"""One training run, as named phases that read top-down: :meth:`Run.set_up` (lock the run directory; mesh, data,
+model, optimizer, jitted steps), :meth:`Run.resume` (a checkpoint, the metrics log, ``config.yaml``),
 :meth:`Run.announce`, :meth:`Run.step_loop` (train, evaluate, sample, checkpoint), :meth:`Run.finish` (the final
-evaluation, sample and checkpoint) and :meth:`Run.close`; :func:`train` runs them in that order."""
+evaluation, sample and checkpoint) and :meth:`Run.close`; :func:`train` runs them in that order.
+
+The step loop keeps the host ahead of the device: a step's metrics stay on the device until the loop next
+synchronises (every ``log_interval`` steps, and before an evaluation, a sample or a checkpoint), and the next
+batch is read and placed while a step runs (:mod:`jaxgpt.train.feed`). At each synchronisation every pending
+step's loss and gradient norm go through the divergence guard (:mod:`jaxgpt.train.guard`), in order.
+
+Only checked states are saved: the params after step ``s`` are first evaluated by step ``s + 1``'s loss. So at a
+checkpoint step the state is copied on the device (one extra copy of params and optimizer state, for one step),
+and written once step ``s + 1``'s loss and gradient norm have passed the guard; had they not, the copy is
+dropped. The final state is checked by the final validation loss (finite). Every saved checkpoint is therefore a
+state that was seen healthy, and "the last good checkpoint" in any message is one.
+
+On divergence the run stops (exit 3), naming the newest healthy state and checkpoint, or with ``on_divergence:
+rollback`` restores the newest checkpoint, skips the batches that followed it up to the diverged step (PaLM's
+remedy for loss spikes) and continues, at most ``max_rollbacks`` times. By hand: ``--resume_step=N`` resumes
+from checkpoint N (newer checkpoints are moved to ``checkpoints/superseded/``, newer metric records to
+``metrics.superseded.jsonl``; nothing is deleted) and ``--skip_batches=K`` advances the data K global batches
+past N's position. Each such resume is recorded in the checkpoints that follow (``lineage``), so re-running
+the same command continues the resumed run instead of resuming from N again."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -16,11 +36,17 @@ import yaml
 
 from jaxgpt.config import ConfigError, to_dict
 from jaxgpt.train.config import TrainConfig
+from jaxgpt.train.feed import BatchFeed
+from jaxgpt.train.guard import DivergenceGuard, Verdict
 from jaxgpt.train.metrics import MetricsLog, count_params, device_peak_flops, flops_per_step, plot_losses, read_metrics
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """Training diverged (a non-finite or spiking loss or gradient norm) and could not roll back; the message
+    names the step, the rule, the newest healthy state and the newest checkpoint."""
+
+
+Diverged = NonFiniteLoss
 
 
 def _on_one_device(tree: Any) -> Any:
@@ -85,7 +111,7 @@ def build_model(cfg: TrainConfig, policy):
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training; returns a summary. Raises NonFiniteLoss on a NaN/inf loss."""
+    """Run (or resume) training; returns a summary. Raises :class:`NonFiniteLoss` when training diverged."""
     run = Run.set_up(cfg)
     try:
         run.resume()
@@ -103,47 +129,55 @@ class Run:
     # ---- set-up ---------------------------------------------------------------------------------------------
     @classmethod
     def set_up(cls, cfg: TrainConfig) -> "Run":
-        """Everything before the first file is written: the mesh, the data, the model and its jitted steps."""
+        """Everything before the first step: the run directory's lock, the mesh, the data, the model and its
+        jitted steps. Configuration errors come before anything is written."""
         import jax
 
         from jaxgpt import mesh as mesh_lib
-        from jaxgpt import step as step_lib
-        from jaxgpt.optim import make_optimizer
-        from jaxgpt.precision import Policy
 
         run = cls()
         run.cfg, run.t_start = cfg, time.perf_counter()
+        run.lock = run.metrics = run.bar = run.ckpts = None
         run.pcount, run.pindex = jax.process_count(), jax.process_index()
-        run.mesh = mesh_lib.make_mesh(cfg.mesh)  # (configuration errors before anything is written)
+        run.mesh = mesh_lib.make_mesh(cfg.mesh)
         local_devices = sum(d.process_index == run.pindex for d in run.mesh.devices.flat)
         if cfg.batch_size % local_devices:
             raise ConfigError(f"TrainConfig.batch_size = {cfg.batch_size}: must be a multiple of the devices per "
                               f"process ({local_devices}): every device takes the same number of rows of each "
                               "micro-batch")
-        run.run_dir = Path(cfg.out_dir)
-        run.run_dir.mkdir(parents=True, exist_ok=True)
         run.is_main = run.pindex == 0  # writes the run directory's files (all processes save checkpoints together)
-        run.micro_steps = cfg.micro_steps(run.pcount)
-        run.tokens_per_step = run.micro_steps * cfg.batch_size * cfg.seq_len * run.pcount
-        run.say = _say if run.is_main else (lambda *_a, **_k: None)
-        run._set_up_data()
-
-        run.policy = Policy.named(cfg.precision, attention=cfg.attention)
-        model = build_model(cfg, run.policy)
-        run.model_cfg = model.config
-        optimizer = make_optimizer(cfg.optim)
-        run.graphdef, run.state = step_lib.init_train_state(model, optimizer, mesh=run.mesh)
-        del model
-        run.saved_config = {**cfg.to_dict(), "model": to_dict(run.model_cfg)}
-        run.train_step = step_lib.make_train_step(run.graphdef, optimizer, micro_steps=run.micro_steps,
-                                                  dropout=run.model_cfg.dropout > 0, mesh=run.mesh)
-        run.eval_step = step_lib.make_eval_step(run.graphdef, mesh=run.mesh)
-        run.rng = jax.random.key(cfg.seed)
-        run.start_step, run.latest = 0, None
-        run.metrics = run.bar = None
-        run.last, run.val_loss = {}, None
+        run._lock_run_dir()
+        try:
+            run.micro_steps = cfg.micro_steps(run.pcount)
+            run.tokens_per_step = run.micro_steps * cfg.batch_size * cfg.seq_len * run.pcount
+            run.say = _say if run.is_main else (lambda *_a, **_k: None)
+            run._set_up_data()
+            run._set_up_model()
+        except BaseException:
+            run._unlock()
+            raise
+        run.start_step, run.resumed_from, run.rollbacks, run.lineage = 0, None, 0, []
+        run.last, run.val_loss, run.held = {}, None, None
+        run.pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
         run.steady_tokens, run.steady_time, run.compile_s = 0, 0.0, None
+        run.guard = DivergenceGuard(loss_factor=cfg.spike_loss_factor, grad_norm_factor=cfg.spike_grad_norm_factor,
+                                    window=cfg.spike_window)
         return run
+
+    def _lock_run_dir(self) -> None:
+        from jaxgpt import rundir
+
+        self.run_dir = Path(self.cfg.out_dir)
+        try:
+            rundir.make_dir(self.run_dir, what="run directory", option="out_dir")
+            if self.is_main:  # one lock per run; the other processes of a multi-process run only write checkpoints
+                self.lock = rundir.DirLock(self.run_dir, what="run directory", option="out_dir").acquire()
+        except rundir.DirError as e:
+            raise ConfigError(str(e)) from None
+
+    def _unlock(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def _set_up_data(self) -> None:
         from jaxgpt import data as data_lib
@@ -165,33 +199,115 @@ class Run:
         self.val_state = self.val_loader.state_dict()
         self.n_eval = min(cfg.eval_steps, self.val_loader.batches_per_epoch)  # never the same batch twice
 
-    # ---- resume ---------------------------------------------------------------------------------------------
-    def resume(self) -> None:
-        """Continue from the newest checkpoint (``resume: auto/must``), then open the run's files."""
+    def _set_up_model(self) -> None:
         import jax
 
+        from jaxgpt import step as step_lib
+        from jaxgpt.optim import make_optimizer
+        from jaxgpt.precision import Policy
+
+        cfg = self.cfg
+        self.policy = Policy.named(cfg.precision, attention=cfg.attention)
+        model = build_model(cfg, self.policy)
+        self.model_cfg = model.config
+        optimizer = make_optimizer(cfg.optim)
+        self.graphdef, self.state = step_lib.init_train_state(model, optimizer, mesh=self.mesh)
+        del model
+        self.saved_config = {**cfg.to_dict(), "model": to_dict(self.model_cfg)}
+        self.train_step = step_lib.make_train_step(self.graphdef, optimizer, micro_steps=self.micro_steps,
+                                                   dropout=self.model_cfg.dropout > 0, mesh=self.mesh)
+        self.eval_step = step_lib.make_eval_step(self.graphdef, mesh=self.mesh)
+        self.rng = jax.random.key(cfg.seed)
+
+    # ---- resume ---------------------------------------------------------------------------------------------
+    def resume(self) -> None:
+        """Continue from a checkpoint (``resume`` / ``resume_step``), then open the run's files."""
         from jaxgpt.checkpoint import Checkpoints, NoCheckpointError
 
         cfg = self.cfg
         self.ckpts = Checkpoints(self.run_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
-        self.latest = latest = self.ckpts.latest_step()
-        if cfg.resume == "must" and latest is None:
+        steps = self.ckpts.all_steps()
+        if cfg.resume == "must" and not steps:
             raise NoCheckpointError(f"resume: must, but {self.ckpts.directory} holds no complete checkpoint")
-        if cfg.resume == "never" and latest is not None:
-            raise ConfigError(f"resume: never, but {self.run_dir} already holds checkpoints (steps "
-                              f"{self.ckpts.all_steps()}); use resume: auto to continue that run, or another out_dir")
-        if latest is not None:
-            r = self.ckpts.restore(latest, params=self.state.params, opt_state=self.state.opt_state,
-                                   requested_config=self.saved_config)
-            self.state = self.state.replace(step=jax.numpy.asarray(r.step, dtype=self.state.step.dtype),
-                                            params=r.params, opt_state=r.opt_state)
-            self.rng = r.rng_key
-            self.train_loader.load_state_dict(_loader_state_for(r.loader_state, self.train_loader, self.say))
-            self.start_step = r.step
+        if cfg.resume == "never" and steps:
+            raise ConfigError(f"resume: never, but {self.run_dir} already holds checkpoints (steps {steps}); use "
+                              "resume: auto to continue that run, or another out_dir")
+        target, request = self._resume_target(steps)
+        if target is not None:
+            self.restore(target)
+            self.resumed_from = target
+        self.feed = self._new_feed()
+        superseded = [s for s in steps if target is not None and s > target]
+        if request is not None:  # a named resume step applied now (not by an earlier run of this command)
+            self._supersede(superseded)
+            self.feed.skip(cfg.skip_batches)
+            self.lineage.append(request)
         if self.is_main:
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.saved_config, sort_keys=False))
         self.metrics = MetricsLog(self.run_dir, tensorboard=cfg.tensorboard,
-                                  truncate_after=self.start_step if latest else None, enabled=self.is_main)
+                                  truncate_after=self.start_step if target is not None else None,
+                                  enabled=self.is_main)
+        if request is not None:
+            self.metrics.write({"type": "resume", **request})
+            self.say(f"  resumed from step {target} by resume_step" + (
+                f", skipping {cfg.skip_batches} batch(es) of data" if cfg.skip_batches else "")
+                + (f"; newer checkpoints {superseded} moved to {self.ckpts.directory / SUPERSEDED}" if superseded
+                   else ""))
+
+    def _resume_target(self, steps: list[int]) -> tuple[int | None, dict[str, Any] | None]:
+        """The step to restore, and the lineage record of a ``resume_step`` request to apply now (None when there
+        is none, or when the newest checkpoint records that this very request was applied already)."""
+        from jaxgpt.checkpoint import NoCheckpointError
+
+        cfg = self.cfg
+        latest = steps[-1] if steps else None
+        if cfg.resume_step is None:
+            return latest, None
+        if cfg.resume_step not in steps:
+            raise NoCheckpointError(f"resume_step = {cfg.resume_step}: {self.ckpts.directory} holds no checkpoint for "
+                                    f"that step; the saved steps are {steps}")
+        request = {"resumed_from": cfg.resume_step, "skip_batches": cfg.skip_batches, "reason": "resume_step"}
+        applied = (self.ckpts.saved_meta(latest).get("extra") or {}).get("lineage", [])
+        if latest > cfg.resume_step and any(_same_request(r, request) for r in applied):
+            self.say(f"  resume_step {cfg.resume_step} (skip_batches {cfg.skip_batches}) was applied by an earlier "
+                     f"run of this command; continuing from its newest checkpoint, step {latest}")
+            return latest, None
+        return cfg.resume_step, {**request, "time": _now()}
+
+    def restore(self, step: int) -> None:
+        """The train state, RNG, data position, guard history and lineage of checkpoint ``step``."""
+        import jax
+
+        r = self.ckpts.restore(step, params=self.state.params, opt_state=self.state.opt_state,
+                               requested_config=self.saved_config)
+        self.state = self.state.replace(step=jax.numpy.asarray(r.step, dtype=self.state.step.dtype),
+                                        params=r.params, opt_state=r.opt_state)
+        self.rng = r.rng_key
+        self.train_loader.load_state_dict(_loader_state_for(r.loader_state, self.train_loader, self.say))
+        self.guard.load_state_dict(r.extra.get("guard"))
+        self.lineage = list(r.extra.get("lineage", []))
+        self.start_step = r.step
+        self.pending, self.held = [], None
+
+    def _new_feed(self) -> BatchFeed:
+        return BatchFeed(self.train_loader, micro_steps=self.micro_steps, batch_size=self.cfg.batch_size,
+                         seq_len=self.cfg.seq_len, model_config=self.model_cfg, mesh=self.mesh)
+
+    def _supersede(self, steps: list[int]) -> None:
+        """Move checkpoints newer than the resumed one aside (never delete them): the run continues from an
+        older step and would otherwise mix two histories."""
+        if not steps:
+            return
+        if self.is_main:
+            aside = self.ckpts.directory / SUPERSEDED
+            aside.mkdir(exist_ok=True)
+            for s in steps:
+                (self.ckpts.directory / str(s)).rename(aside / f"{s}-{_now(compact=True)}")
+        if self.pcount > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxgpt.train: superseded checkpoints moved")
+        self.ckpts.manager.reload()
 
     def announce(self) -> None:
         """The run's header: model, batch, data, devices, peak FLOP/s, mesh, run directory."""
@@ -213,74 +329,85 @@ class Run:
                  f"({self.train_loader.num_tokens:,} train tokens); peak "
                  f"{'?' if self.peak is None else f'{self.peak / 1e12:.2f} TFLOP/s'} ({peak_src})")
         self.say(f"  {mesh_lib.summary(self.mesh, self.state.params, self.state.opt_state)}")
-        self.say(f"  run dir {self.run_dir}" + (f"; resumed from step {self.start_step}" if self.latest else ""))
+        self.say(f"  run dir {self.run_dir}" + (f"; resumed from step {self.start_step}"
+                                                 if self.resumed_from is not None else ""))
 
     # ---- the step loop --------------------------------------------------------------------------------------
     def step_loop(self) -> None:
         """Optimizer steps from ``start_step`` to ``max_steps``, with evaluations, samples and checkpoints."""
+        import jax
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        self.bar = tqdm(range(self.start_step, cfg.max_steps), initial=self.start_step, total=cfg.max_steps,
-                        unit="step", disable=not cfg.progress, dynamic_ncols=True, mininterval=1.0)
+        self.bar = tqdm(total=cfg.max_steps, initial=self.start_step, unit="step", disable=not cfg.progress,
+                        dynamic_ncols=True, mininterval=1.0)
         if self.start_step == 0 and cfg.eval_interval > 0:
             self.val_loss = self.evaluate()
             self.metrics.write({"type": "eval", "step": 0, "val_loss": self.val_loss})
             self.say(f"step 0: val loss {self.val_loss:.4f}")
         debug_sleep = float(os.environ.get("JAXGPT_DEBUG_STEP_SLEEP", "0"))  # a test kills a run mid-way
-        for i in self.bar:
-            step = i + 1
+        step, first = self.start_step, self.start_step + 1
+        self.t_mark = time.perf_counter()
+        while step < cfg.max_steps:
+            step += 1
             if debug_sleep:
                 time.sleep(debug_sleep)
-            record = self.train_one_step(step)
-            self.log_step(record)
-            if cfg.eval_interval and step % cfg.eval_interval == 0 and step != cfg.max_steps:
+            x, y = self.feed.next()
+            self.rng, key = jax.random.split(self.rng)
+            self.state, m = self.train_step(self.state, x, y, key)  # dispatched: the device runs it ...
+            self.pending.append((step, m))
+            self.bar.update(1)
+            if step < cfg.max_steps:
+                self.feed.read_ahead()  # ... while the host prepares the next batch
+            due = {name: bool(every) and step % every == 0 and step != cfg.max_steps
+                   for name, every in (("eval", cfg.eval_interval), ("checkpoint", cfg.checkpoint_interval),
+                                       ("sample", max(cfg.sample_interval, 0)))}
+            if (step == first or step % cfg.log_interval == 0 or step == cfg.max_steps or any(due.values())
+                    or self.held is not None):
+                verdict = self.sync()
+                if verdict is not None:
+                    step = self.recover(verdict)  # the checkpoint rolled back to (or raises)
+                    first = step + 1
+                    continue
+            if due["eval"]:
                 self.val_loss = self.evaluate()
                 self.metrics.write({"type": "eval", "step": step, "val_loss": self.val_loss})
-                self.say(f"step {step}: train loss {record['loss']:.4f}, val loss {self.val_loss:.4f}")
-            if cfg.sample_interval > 0 and step % cfg.sample_interval == 0 and step != cfg.max_steps:
+                self.say(f"step {step}: train loss {self.last['loss']:.4f}, val loss {self.val_loss:.4f}")
+            if due["sample"]:
                 self.sample(step)
-            if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0:
-                self.save(step, {"loss": record["loss"]})
+            if due["checkpoint"]:
+                self.hold(step)
+            if any(due.values()):
+                self.t_mark = time.perf_counter()  # their time is not the steps'
         self.bar.close()
 
-    def train_one_step(self, step: int) -> dict[str, Any]:
-        """Draw the batch, run the jitted step, check the loss; the step's metrics record."""
+    def sync(self) -> Verdict | None:
+        """Fetch the pending steps' metrics (one device-to-host transfer), check each in order, log them, and
+        write a held checkpoint once the step after it has passed. The first diverged step's verdict, if any."""
         import jax
 
-        from jaxgpt import step as step_lib
-
-        cfg = self.cfg
-        x, y = self.train_loader.next_batch()
-        x = x.reshape(self.micro_steps, cfg.batch_size, cfg.seq_len)
-        y = y.reshape(self.micro_steps, cfg.batch_size, cfg.seq_len)
-        step_lib.check_batch(x, y, self.model_cfg)
-        self.rng, key = jax.random.split(self.rng)
-        t0 = time.perf_counter()
-        self.state, m = self.train_step(self.state, x, y, key)
-        loss, grad_norm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
-        dt = time.perf_counter() - t0
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self._diverged(step, loss, grad_norm)
+        now = time.perf_counter()
+        steps, fetched = [s for s, _ in self.pending], jax.device_get([m for _, m in self.pending])
+        dt = (now - self.t_mark) / len(steps)
+        self.pending, self.t_mark = [], now
         if self.compile_s is None:
-            self.compile_s = dt
+            self.compile_s = dt  # the first step after (re)starting: trace + compile + run
         else:
-            self.steady_tokens += self.tokens_per_step
-            self.steady_time += dt
-        mfu = self.step_flops / dt / (self.peak * self.n_dev) if self.peak else None
-        return {"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time": dt,
-                "tokens_per_s": self.tokens_per_step / dt, "flops_per_s": self.step_flops / dt, "mfu": mfu,
-                "tokens": step * self.tokens_per_step}
-
-    def _diverged(self, step: int, loss: float, grad_norm: float) -> None:
-        self.ckpts.wait()
-        last = self.ckpts.latest_step()
-        if last is None:
-            raise NonFiniteLoss(f"step {step}: loss {loss}, grad norm {grad_norm}: training diverged before any "
-                                "checkpoint was written (lower optim.lr or raise optim.warmup_steps)")
-        raise NonFiniteLoss(f"step {step}: loss {loss}, grad norm {grad_norm}: training diverged (lower optim.lr or "
-                            f"raise optim.warmup_steps). The last good checkpoint is step {last} in "
-                            f"{self.ckpts.directory}")
+            self.steady_tokens += self.tokens_per_step * len(steps)
+            self.steady_time += dt * len(steps)
+        for step, m in zip(steps, fetched):
+            loss, grad_norm, lr = float(m["loss"]), float(m["grad_norm"]), float(m["lr"])
+            verdict = self.guard.check(step, loss, grad_norm)
+            if verdict is not None:
+                return verdict
+            if self.held is not None and self.held["step"] == step - 1:
+                self.write_held()
+            self.log_step({"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                           "step_time": dt, "tokens_per_s": self.tokens_per_step / dt,
+                           "flops_per_s": self.step_flops / dt,
+                           "mfu": self.step_flops / dt / (self.peak * self.n_dev) if self.peak else None,
+                           "tokens": step * self.tokens_per_step})
+        return None
 
     def log_step(self, record: dict[str, Any]) -> None:
         self.last = record
@@ -290,6 +417,41 @@ class Run:
         self.bar.set_postfix({"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}",
                               "tok/s": f"{record['tokens_per_s']:,.0f}",
                               **({"mfu": f"{mfu:.1%}"} if mfu is not None else {})}, refresh=False)
+
+    def recover(self, verdict: Verdict, *, may_roll_back: bool = True) -> int:
+        """After a diverged step: roll back to the newest checkpoint and skip the data up to the diverged step
+        (``on_divergence: rollback``, while rollbacks remain), returning the step rolled back to; else raise
+        :class:`NonFiniteLoss` naming the newest healthy state and checkpoint."""
+        cfg, v = self.cfg, verdict
+        self.pending, self.held = [], None
+        self.ckpts.wait()
+        last = self.ckpts.latest_step()
+        self.metrics.write({"type": "divergence", "step": v.step, "loss": _json_number(v.loss),
+                            "grad_norm": _json_number(v.grad_norm), "reason": v.reason})
+        if may_roll_back and cfg.on_divergence == "rollback" and last is not None \
+                and self.rollbacks < cfg.max_rollbacks:
+            self.rollbacks += 1
+            skip = v.step - last  # the batches of steps last+1 .. v.step
+            self.restore(last)
+            self.feed = self._new_feed()
+            self.feed.skip(skip)
+            self.lineage.append({"resumed_from": last, "skip_batches": skip, "time": _now(),
+                                 "reason": f"rollback after step {v.step}: {v.reason}"})
+            self.metrics.write({"type": "rollback", "step": last, "from_step": v.step, "skip_batches": skip})
+            self.bar.n = last
+            self.say(f"step {v.step}: {v.reason}; rolled back to checkpoint {last} and skipped its next {skip} "
+                     f"batch(es) (rollback {self.rollbacks} of {cfg.max_rollbacks})")
+            self.t_mark = time.perf_counter()
+            return last
+        healthy = (f"The newest healthy state is step {v.step - 2} (its loss, at step {v.step - 1}, passed)"
+                   if v.step >= 2 else "No state was seen healthy")
+        where = (f"the last good checkpoint is step {last} in {self.ckpts.directory}: resume from it with a lower "
+                 f"optim.lr, or skip the data that followed it with --resume_step={last} "
+                 f"--skip_batches={v.step - last}, or set on_divergence: rollback" if last is not None else
+                 "no checkpoint was written before it")
+        why = f" ({self.rollbacks} rollback(s) done)" if self.rollbacks else ""
+        raise NonFiniteLoss(f"step {v.step}: {v.reason}: training diverged{why} (lower optim.lr or raise "
+                            f"optim.warmup_steps). {healthy}; {where}")
 
     def evaluate(self) -> float:
         """Mean loss of the same first ``eval_steps`` validation batches every time."""
@@ -320,11 +482,28 @@ class Run:
             f.write(block)
         self.say(block.rstrip())
 
-    def save(self, step: int, extra: dict[str, Any]) -> None:
-        if self.ckpts.latest_step() == step:
-            return
-        self.ckpts.save(step, params=self.state.params, opt_state=self.state.opt_state, config=self.saved_config,
-                        rng_key=self.rng, loader_state=self.train_loader.state_dict(), extra=extra)
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def _checkpoint(self, step: int, params: Any, opt_state: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"step": step, "params": params, "opt_state": opt_state, "rng_key": self.rng,
+                "loader_state": self.feed.position,
+                "extra": {**extra, "guard": self.guard.state_dict(), "lineage": list(self.lineage)}}
+
+    def hold(self, step: int) -> None:
+        """Keep a device copy of the state after ``step`` (its RNG, data position and guard history too), to be
+        written once the next step has checked it."""
+        params, opt_state = _copy_on_device((self.state.params, self.state.opt_state))
+        self.held = self._checkpoint(step, params, opt_state, {"loss": self.last.get("loss"), "checked": True})
+
+    def write_held(self) -> None:
+        held, self.held = self.held, None
+        if self.ckpts.latest_step() != held["step"]:
+            self.ckpts.save(held.pop("step"), config=self.saved_config, **held)
+
+    def save_now(self, step: int, extra: dict[str, Any]) -> None:
+        """Save the current state (only for a state already checked: the final one, after its validation)."""
+        if self.ckpts.latest_step() != step:
+            c = self._checkpoint(step, self.state.params, self.state.opt_state, extra)
+            self.ckpts.save(c.pop("step"), config=self.saved_config, **c)
 
     # ---- finish ---------------------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -334,9 +513,13 @@ class Run:
         if self.start_step < cfg.max_steps:
             self.val_loss = self.evaluate()
             self.metrics.write({"type": "eval", "step": self.final_step, "val_loss": self.val_loss})
+            if not math.isfinite(self.val_loss):  # the final state's check: no training step evaluates it
+                self.recover(Verdict(self.final_step + 1, self.val_loss, math.nan, f"the final validation loss "
+                                     f"is {self.val_loss}, not finite"), may_roll_back=False)
             if cfg.sample_interval >= 0:
                 self.sample(self.final_step)
-            self.save(self.final_step, {"loss": self.last.get("loss")})
+            self.save_now(self.final_step, {"loss": self.last.get("loss"), "val_loss": self.val_loss,
+                                            "checked": True})
         else:  # resumed a finished run: nothing to do
             self.say(f"the run in {self.run_dir} already reached step {self.start_step} (max_steps {cfg.max_steps})")
             done = read_metrics(self.run_dir)
@@ -344,18 +527,18 @@ class Run:
             self.last = next((r for r in reversed(done) if r["type"] == "train"), {})
 
     def close(self) -> None:
-        """Wait for the last checkpoint, close the files, draw loss.png (also after an error)."""
-        if self.bar is not None:
-            self.bar.close()
-        ckpts = getattr(self, "ckpts", None)
+        """Wait for the last checkpoint, close the files, draw loss.png, release the lock (also after an error)."""
         try:
-            if ckpts is not None:
-                ckpts.close()
+            if self.bar is not None:
+                self.bar.close()
+            if self.ckpts is not None:
+                self.ckpts.close()
         finally:
             if self.metrics is not None:
                 self.metrics.close()
                 if self.cfg.plot and self.is_main:
                     plot_losses(self.run_dir)
+            self._unlock()
 
     def summarise(self) -> dict[str, Any]:
         """The summary dict (also printed, and written to summary.json)."""
@@ -364,13 +547,37 @@ class Run:
                    "val_loss": self.val_loss, "wall_s": wall, "compile_s": self.compile_s,
                    "tokens_per_s": self.steady_tokens / self.steady_time if self.steady_time else None,
                    "tokens": cfg.max_steps * self.tokens_per_step, "run_dir": str(self.run_dir),
-                   "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "processes": self.pcount}
+                   "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "processes": self.pcount,
+                   "rollbacks": self.rollbacks}
         self.say(f"done: step {self.final_step}, train loss {summary['train_loss']}, val loss {self.val_loss}, "
                  f"{wall:.1f} s wall, " + (f"{summary['tokens_per_s']:,.0f} tok/s (steady), " if self.steady_time
                                            else "") + f"run dir {self.run_dir}")
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+SUPERSEDED = "superseded"  # checkpoints/superseded/<step>-<time>: newer steps set aside by a resume_step
+
+
+def _copy_on_device(tree: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _same_request(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(a.get(k) == b[k] for k in ("resumed_from", "skip_batches", "reason"))
+
+
+def _now(compact: bool = False) -> str:
+    t = datetime.datetime.now().astimezone()
+    return t.strftime("%Y%m%dT%H%M%S") if compact else t.isoformat(timespec="seconds")
+
+
+def _json_number(x: float) -> float | str:
+    return x if math.isfinite(x) else repr(x)
 
 
 def _say(*args: Any, **kwargs: Any) -> None:
