@@ -52,8 +52,8 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K checkpoints are kept
     async_checkpoint: bool = True
     # ---- divergence (jaxgpt.train.guard) --------------------------------------------------------------------
-    spike_loss_factor: float = 2.0  # a loss above this times the median of the recent ones diverged (0: off)
-    spike_grad_norm_factor: float = 50.0  # likewise for the gradient norm (0: off)
+    spike_loss_factor: float = 3.0  # a loss above this times the median of the recent ones diverged (0: off)
+    spike_grad_norm_factor: float = 0.0  # likewise for the gradient norm (0: off; see jaxgpt.train.guard)
     spike_window: int = 100  # healthy steps in the running medians
     on_divergence: Literal["stop", "rollback"] = "stop"  # rollback: back to the last checkpoint, skip the data
     max_rollbacks: int = 3  # automatic rollbacks per process before the run stops
