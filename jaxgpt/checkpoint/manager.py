@@ -1,0 +1,329 @@
+"""The checkpoints of one run directory: :class:`Checkpoints`, an orbax ``CheckpointManager`` that records a
+digest of every array, verifies it on restore, falls back past damaged steps and moves them aside."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxgpt.checkpoint.integrity import DIGEST_FORMAT, CheckpointDamaged, describe_error, mismatches, tree_digests
+from jaxgpt.config import ConfigError
+
+CHECKPOINT_SUBDIR = "checkpoints"
+ITEMS = ("params", "opt_state", "meta", "config")
+ASIDE = ("damaged", "superseded")  # checkpoints/<kind>/<step>-<time>/: steps moved out of orbax's sight
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp-")  # what an interrupted save leaves
+# GPTConfig fields that may differ between a checkpoint and the model it is restored into (they change no
+# array): a fine-tune may turn dropout on.
+_FREE_MODEL_FIELDS = frozenset({"dropout"})
+
+
+class CheckpointMismatchError(ConfigError):
+    """The checkpoint was written for a different model (or optimizer) than the one it is restored into."""
+
+
+class NoCheckpointError(FileNotFoundError):
+    """No (complete, intact) checkpoint exists where one was required."""
+
+
+@dataclasses.dataclass
+class Restored:
+    """What :meth:`Checkpoints.restore` returns."""
+
+    step: int
+    params: Any
+    opt_state: Any
+    rng_key: jax.Array | None  # a typed PRNG key (jax.random.key), or None if none was saved
+    loader_state: Any
+    extra: dict[str, Any]
+    config: dict[str, Any]
+    verified: bool = True  # False: an older checkpoint without digests (read, but nothing to check against)
+    skipped: list[CheckpointDamaged] = dataclasses.field(default_factory=list)  # newer damaged steps passed over
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """One row of ``checkpoint list``."""
+
+    step: int
+    state: Literal["ok", "unverified", "damaged", "incomplete"]
+    reason: str = ""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir).absolute() / CHECKPOINT_SUBDIR
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays: the target orbax restores into."""
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def key_to_json(key: jax.Array) -> dict[str, Any]:
+    """A JAX PRNG key (typed or raw uint32) as JSON: its implementation name and its raw uint32 words."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(key))
+        data = jax.random.key_data(key)
+    else:
+        impl, data = None, key
+    return {"impl": impl, "data": np.asarray(data, dtype=np.uint32).tolist()}
+
+
+def key_from_json(d: dict[str, Any]) -> jax.Array:
+    data = jnp.asarray(np.asarray(d["data"], dtype=np.uint32))
+    return data if d["impl"] is None else jax.random.wrap_key_data(data, impl=d["impl"])
+
+
+def config_mismatches(saved: dict[str, Any], requested: dict[str, Any], *, prefix: str = "") -> list[str]:
+    """``field: saved -> requested`` for every leaf that differs between two config dicts."""
+    out = []
+    for k in sorted(set(saved) | set(requested)):
+        a, b = saved.get(k, "<absent>"), requested.get(k, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_mismatches(a, b, prefix=f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: checkpoint has {a!r}, requested {b!r}")
+    return out
+
+
+def check_compatible(saved: dict[str, Any], requested: dict[str, Any], *, where: str = "checkpoint") -> None:
+    """Raise :class:`CheckpointMismatchError` if ``requested`` (a config dict with ``"model"`` and optionally
+    ``"optim": {"name": ...}``) cannot take the arrays of the checkpoint whose config is ``saved``."""
+    strip = lambda m: {k: v for k, v in (m or {}).items() if k not in _FREE_MODEL_FIELDS}  # noqa: E731
+    problems = config_mismatches(strip(saved.get("model")), strip(requested.get("model")), prefix="model.")
+    saved_opt = (saved.get("optim") or {}).get("name")
+    req_opt = (requested.get("optim") or {}).get("name")
+    if "optim" in requested and saved_opt != req_opt:
+        problems.append(f"optim.name: checkpoint has {saved_opt!r}, requested {req_opt!r}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"{where} was written for a different model or optimizer than the one requested; mismatched "
+            "fields:\n  " + "\n  ".join(problems)
+            + "\nUse the checkpoint's settings, or start a fresh run in another out_dir."
+        )
+
+
+class Checkpoints:
+    """An orbax ``CheckpointManager`` over ``<run_dir>/checkpoints`` keeping the last ``keep`` steps (and, with
+    ``keep_best``, the one with the lowest ``val_loss`` metric besides them)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep: int | None = 3, async_save: bool = True,
+                 read_only: bool = False, keep_best: bool = False):
+        self.directory = checkpoint_dir(run_dir)
+        if read_only and not self.directory.is_dir():
+            raise NoCheckpointError(f"{self.directory}: no checkpoints here (is {run_dir} a run directory?)")
+        logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save (and read-only notes)
+        policy = ocp.checkpoint_managers.LatestN(n=keep)
+        if keep_best:
+            policy = ocp.checkpoint_managers.AnyPreservationPolicy([policy, ocp.checkpoint_managers.BestN(
+                get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1, keep_checkpoints_without_metrics=False)])
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            item_names=ITEMS,
+            options=ocp.CheckpointManagerOptions(
+                preservation_policy=None if read_only else policy,
+                enable_async_checkpointing=async_save,
+                create=not read_only,
+                read_only=read_only,
+                cleanup_tmp_directories=not read_only,  # remove what a killed save left behind
+            ),
+        )
+
+    # ---- queries ------------------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def incomplete_steps(self) -> list[int]:
+        """Steps whose save was interrupted (orbax's temporary directories; a writer removes them on start)."""
+        names = os.listdir(self.directory) if self.directory.is_dir() else []
+        return sorted({int(m.group(1)) for n in names if (m := _TMP.match(n))})
+
+    def _read_json_item(self, step: int, item: str) -> dict[str, Any]:
+        try:
+            value = self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
+        except Exception as e:  # orbax, json and OS errors: all mean this step's item cannot be read
+            raise CheckpointDamaged(step, f"{item}/ (JSON)", describe_error(e)) from e
+        if not isinstance(value, dict):
+            raise CheckpointDamaged(step, f"{item}/ (JSON)", f"holds {type(value).__name__}, not a mapping")
+        return value
+
+    def saved_config(self, step: int | None = None) -> dict[str, Any]:
+        """The ``config`` item of ``step`` (raises :class:`CheckpointDamaged` if it cannot be read)."""
+        return self._read_json_item(self._step(step), "config")
+
+    def saved_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The ``meta`` item of ``step`` (its step, RNG key, loader position, extras, digests) without any array."""
+        return self._read_json_item(self._step(step), "meta")
+
+    def _step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise NoCheckpointError(f"{self.directory}: no complete checkpoint to restore")
+            return steps[-1]
+        if step not in steps:
+            raise NoCheckpointError(f"{self.directory}: no checkpoint for step {step}; saved steps are {steps}")
+        return step
+
+    # ---- save ---------------------------------------------------------------------------------------------
+    def save(self, step: int, *, params: Any, opt_state: Any, config: dict[str, Any],
+             rng_key: jax.Array | None = None, loader_state: Any = None,
+             extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> None:
+        """Start saving ``step`` (waits for the previous save first; returns once arrays are on the host). The
+        meta item records a digest of every array; ``metrics`` (e.g. ``val_loss``) feed ``keep_best``."""
+        digests = {"format": DIGEST_FORMAT, "params": tree_digests(params), "opt_state": tree_digests(opt_state)}
+        meta = {"step": int(step), "rng_key": None if rng_key is None else key_to_json(rng_key),
+                "loader_state": loader_state, "extra": extra or {}, "digests": digests}
+        self._guarded(self.manager.save, int(step), force=True, metrics=metrics, args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            opt_state=ocp.args.StandardSave(opt_state),
+            meta=ocp.args.JsonSave(meta),
+            config=ocp.args.JsonSave(config),
+        ))
+
+    # ---- restore ------------------------------------------------------------------------------------------
+    def restore(self, step: int | None = None, *, params: Any, opt_state: Any | None = None,
+                requested_config: dict[str, Any] | None = None) -> Restored:
+        """Restore ``step`` (default: the latest complete one) into the structure, dtypes and shardings of
+        ``params`` / ``opt_state`` (real arrays or ShapeDtypeStructs), and verify every array against its
+        recorded digest. With ``requested_config`` the saved config is checked against it first
+        (:func:`check_compatible`). ``opt_state=None`` skips it. A damaged step raises
+        :class:`CheckpointDamaged`; no other step is tried (see :meth:`restore_newest`)."""
+        step = self._step(step)
+        saved = self.saved_config(step)
+        if requested_config is not None:
+            check_compatible(saved, requested_config, where=f"checkpoint {self.directory / str(step)}")
+        meta = self.saved_meta(step)
+        items = {"params": _abstract(params)} if opt_state is None else \
+            {"params": _abstract(params), "opt_state": _abstract(opt_state)}
+        arrays = self._read_arrays(step, items)
+        verified = self._verify(step, meta, arrays)
+        try:
+            rng_key = None if meta.get("rng_key") is None else key_from_json(meta["rng_key"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointDamaged(step, "meta/ rng_key", describe_error(e)) from e
+        return Restored(step=int(meta.get("step", step)), params=arrays["params"], opt_state=arrays.get("opt_state"),
+                        rng_key=rng_key, loader_state=meta.get("loader_state"), extra=meta.get("extra") or {},
+                        config=saved, verified=verified)
+
+    def restore_newest(self, *, params: Any, opt_state: Any | None = None,
+                       requested_config: dict[str, Any] | None = None, move_damaged: bool = False) -> Restored:
+        """:meth:`restore` the newest step that is complete and intact. Each damaged newer step is recorded in
+        ``Restored.skipped`` and, with ``move_damaged`` (a writer), moved to ``checkpoints/damaged/``. Raises
+        :class:`NoCheckpointError` when no step is intact (naming why each one failed)."""
+        skipped: list[CheckpointDamaged] = []
+        for step in reversed(self.all_steps()):
+            try:
+                r = self.restore(step, params=params, opt_state=opt_state, requested_config=requested_config)
+            except CheckpointDamaged as e:
+                skipped.append(e)
+                if move_damaged:
+                    self.move_aside(step, "damaged", str(e))
+                continue
+            r.skipped = skipped
+            return r
+        why = "".join(f"\n  {e}" for e in skipped)
+        raise NoCheckpointError(f"{self.directory}: no intact checkpoint to restore" + (why or " (none saved)"))
+
+    def _read_arrays(self, step: int, items: dict[str, Any]) -> dict[str, Any]:
+        args = {k: ocp.args.StandardRestore(v) for k, v in items.items()}
+        try:
+            return dict(self.manager.restore(step, args=ocp.args.Composite(**args)))
+        except Exception as e:  # orbax / tensorstore / OS: truncated or garbage files, lost metadata
+            where = "/, ".join(items) + "/"
+            raise CheckpointDamaged(step, where, describe_error(e)) from e
+
+    @staticmethod
+    def _verify(step: int, meta: dict[str, Any], arrays: dict[str, Any]) -> bool:
+        recorded = meta.get("digests")
+        if recorded is None:
+            return False  # saved before digests existed: nothing to check against
+        if not isinstance(recorded, dict) or recorded.get("format") != DIGEST_FORMAT:
+            raise CheckpointDamaged(step, "meta/ digests", f"unknown digest record {str(recorded)[:80]!r}")
+        for item, tree in arrays.items():
+            bad = mismatches(recorded.get(item) or {}, tree_digests(tree))
+            if bad:
+                more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+                raise CheckpointDamaged(step, f"{item}/", "the bytes read differ from the ones saved: "
+                                        + "; ".join(bad[:3]) + more)
+        return True
+
+    def verify(self, step: int) -> StepState:
+        """Read all of ``step`` (without a target: shapes from its own metadata) and check every digest."""
+        try:
+            meta, _ = self.saved_meta(step), self.saved_config(step)
+            arrays = self._read_arrays(step, {"params": None, "opt_state": None})
+            verified = self._verify(step, meta, arrays)
+        except CheckpointDamaged as e:
+            return StepState(step, "damaged", f"{e.where}: {e.reason}")
+        extra = meta.get("extra") or {}
+        return StepState(step, "ok" if verified else "unverified",
+                         "" if verified else "saved without digests (an older jaxgpt): read, not checked", extra)
+
+    def states(self) -> list[StepState]:
+        """Every step's state, oldest first: complete steps verified, interrupted saves as incomplete."""
+        rows = [self.verify(s) for s in self.all_steps()]
+        rows += [StepState(s, "incomplete", "an interrupted save (orbax's temporary directory)")
+                 for s in self.incomplete_steps()]
+        return sorted(rows, key=lambda r: (r.step, r.state != "incomplete"))
+
+    # ---- moving steps aside ---------------------------------------------------------------------------------
+    def move_aside(self, step: int, kind: str, reason: str) -> Path:
+        """Move ``step`` to ``checkpoints/<kind>/<step>-<time>/`` (never deleted; orbax no longer sees it, so
+        keep-K cannot count it or rotate the intact steps out for it), with ``reason.txt``."""
+        if kind not in ASIDE:
+            raise ValueError(f"kind = {kind!r}: one of {ASIDE}")
+        self.wait()
+        dest = self.directory / kind / f"{step}-{datetime.datetime.now().strftime('%Y%m%dT%H%M%S%f')}"
+        dest.parent.mkdir(exist_ok=True)
+        (self.directory / str(step)).rename(dest)
+        (dest / "reason.txt").write_text(reason.rstrip() + "\n")
+        self.manager.reload()
+        return dest
+
+    def set_aside(self, kind: str) -> list[Path]:
+        """The steps moved to ``checkpoints/<kind>/``."""
+        d = self.directory / kind
+        return sorted(d.iterdir()) if d.is_dir() else []
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def _guarded(self, fn, *args, **kwargs):
+        """Run a manager call that may surface a failed (background) save; on failure re-read the steps from
+        disk, since the manager already dropped the steps the failed save was to replace from its list
+        (they are still on disk: orbax deletes them only once a save commits)."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.manager.reload()
+            raise
+
+    def wait(self) -> None:
+        """Block until the last save is on disk (raises if it failed)."""
+        self._guarded(self.manager.wait_until_finished)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
