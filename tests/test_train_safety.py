@@ -203,3 +203,33 @@ def test_unusable_out_dir_is_a_clear_error(tmp_path, capsys):
     assert run(tmp_path / "file" / "run", "--max_steps=2") == 2
     err = capsys.readouterr().err
     assert "is a file, not a directory" in err and "choose another out_dir" in err and "Traceback" not in err
+
+
+def test_resume_falls_back_past_a_damaged_step_and_says_what_changed(healthy, tmp_path, capsys):
+    """The newest checkpoint has a flipped bit: the run resumes from the one before, moving the damaged one to
+    checkpoints/damaged/ (not deleting it). A changed lr is printed and recorded; a changed seed is refused
+    with the fix, before anything is written."""
+    out = copy_run(healthy, tmp_path / "run")
+    (data,) = sorted((out / "checkpoints" / "4" / "params" / "ocdbt.process_0" / "d").iterdir(),
+                     key=lambda p: -p.stat().st_size)[:1]
+    b = bytearray(data.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    data.write_bytes(bytes(b))
+
+    before = (out / "metrics.jsonl").read_text()
+    assert run(out, "--max_steps=6", "--checkpoint_interval=1", "--keep_checkpoints=2", "--seed=7") == 2
+    err = capsys.readouterr().err
+    assert "seed: 1337 -> 7" in err and "use --seed=1337" in err and "another out_dir" in err
+    assert (out / "metrics.jsonl").read_text() == before and (out / "checkpoints" / "4").is_dir()  # untouched
+
+    assert run(out, "--max_steps=6", "--checkpoint_interval=1", "--keep_checkpoints=2", "--optim.lr=5e-4") == 0
+    printed = capsys.readouterr().out
+    assert "checkpoint step 4 is damaged" in printed and "resumed from step 3" in printed
+    assert "resuming step 3 with changed settings: max_steps: 4 -> 6; optim.lr: 0.001 -> 0.0005" in printed
+    (moved,) = (out / "checkpoints" / "damaged").iterdir()
+    assert moved.name.startswith("4-") and "digest" in (moved / "reason.txt").read_text()
+    records = read_metrics(out)
+    assert [r for r in records if r["type"] == "config_change"] == [
+        {"type": "config_change", "step": 3, "changes": {"max_steps": [4, 6], "optim.lr": [0.001, 0.0005]}}]
+    assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
+    assert saved_steps(out) == [5, 6]

@@ -15,6 +15,7 @@ A damaged step is reported as a :class:`CheckpointDamaged` naming the step, the 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -107,10 +108,33 @@ def mismatches(saved: dict[str, str], actual: dict[str, str]) -> list[str]:
 
 
 def describe_error(e: BaseException) -> str:
-    """One line for an exception raised while reading a damaged step (orbax, tensorstore, json, OS)."""
-    text = " ".join(str(e).split())
+    """One line for an exception raised while reading a damaged step (orbax, tensorstore, json, OS): the
+    innermost cause, which names the file or array (orbax's own message embeds a whole TensorStore spec)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = " ".join(str(e).split("See full TensorStore details")[0].split())
     if isinstance(e, UnicodeDecodeError):
         text = f"not UTF-8 text ({e.reason} at byte {e.start})"
     if len(text) > 300:
         text = text[:300] + " ..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def quiet_abandoned_reads() -> None:
+    """After a failed restore, orbax leaves its other array reads as coroutines that Python reports as
+    "Exception ignored in: <coroutine ...>" with a TensorStore spec when they are collected. The failure is
+    already reported (as :class:`CheckpointDamaged`): drop those reports, pass every other one on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxgpt_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        obj, exc = getattr(unraisable, "object", None), getattr(unraisable, "exc_value", None)
+        if getattr(obj, "__qualname__", "").startswith("_read_array_index_and_device_put"):
+            return  # the abandoned read itself
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return  # TensorStore finishing an abandoned read after orbax closed its event loop
+        previous(unraisable)
+
+    hook._jaxgpt_quiet = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook

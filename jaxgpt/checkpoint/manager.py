@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxgpt.checkpoint.integrity import DIGEST_FORMAT, CheckpointDamaged, describe_error, mismatches, tree_digests
+from jaxgpt.checkpoint.integrity import (DIGEST_FORMAT, CheckpointDamaged, describe_error, mismatches,
+                                         quiet_abandoned_reads, tree_digests)
 from jaxgpt.config import ConfigError
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -244,6 +245,7 @@ class Checkpoints:
         try:
             return dict(self.manager.restore(step, args=ocp.args.Composite(**args)))
         except Exception as e:  # orbax / tensorstore / OS: truncated or garbage files, lost metadata
+            quiet_abandoned_reads()
             where = "/, ".join(items) + "/"
             raise CheckpointDamaged(step, where, describe_error(e)) from e
 

@@ -285,17 +285,20 @@ class Run:
 
         if step is None:
             r = self.ckpts.restore_newest(params=self.state.params, opt_state=self.state.opt_state,
-                                          requested_config=self.saved_config, move_damaged=self.is_main)
-            for e in r.skipped:
-                self.say(f"  warning: {e}; moved to {self.ckpts.directory / 'damaged'}, resuming from an older step")
-            self._sync_processes("damaged checkpoints moved aside")
+                                          requested_config=self.saved_config)
         else:
             r = self.ckpts.restore(step, params=self.state.params, opt_state=self.state.opt_state,
                                    requested_config=self.saved_config)
         if not r.verified:
             self.say(f"  note: checkpoint step {r.step} was saved without digests (an older jaxgpt): not verified")
         if resuming:
-            self.changes = self._check_changes(r)
+            self.changes = self._check_changes(r)  # (refused: nothing has been moved or written yet)
+        for e in r.skipped:
+            if self.is_main:
+                self.ckpts.move_aside(e.step, "damaged", str(e))
+            self.say(f"  warning: {e}; moved to {self.ckpts.directory / 'damaged'}, resuming from an older step")
+        if r.skipped:
+            self._sync_processes("damaged checkpoints moved aside")
         self.state = self.state.replace(step=jax.numpy.asarray(r.step, dtype=self.state.step.dtype),
                                         params=r.params, opt_state=r.opt_state)
         self.rng = r.rng_key

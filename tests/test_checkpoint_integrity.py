@@ -1,0 +1,260 @@
+"""Checkpoint integrity: every kind of damage to the newest step is detected and named, never a traceback or a
+silent wrong load; resume, generate and export fall back to the newest intact step (only training moves the
+damaged one aside, never deleting it); list shows each step's state; exports never destroy anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from jaxgpt import exportdir
+from jaxgpt.checkpoint import (CheckpointDamaged, Checkpoints, NoCheckpointError, export, load_model,
+                               load_model_and_step, main)
+from jaxgpt.config import GPTConfig, to_dict
+from jaxgpt.model import GPT
+from jaxgpt.optim import OptimConfig, make_optimizer
+
+CFG = GPTConfig.preset("tiny")
+CONFIG = {"model": to_dict(CFG), "optim": {"name": "adamw"}}
+
+
+@pytest.fixture(scope="module")
+def states():
+    """Three distinct (params, opt_state) pairs: the checkpoints of steps 10, 20 and 30."""
+    opt = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=10))
+    out = []
+    for seed in (10, 20, 30):
+        params = nnx.state(GPT(CFG, rngs=nnx.Rngs(seed)), nnx.Param)
+        grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(seed), p.shape) * 1e-2, params)
+        _, opt_state = opt.update(grads, opt.init(params), params)  # non-zero moments
+        out.append((params, opt_state))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory, states) -> Path:
+    run = tmp_path_factory.mktemp("pristine") / "run"
+    with Checkpoints(run, keep=3) as c:
+        for step, (params, opt_state) in zip((10, 20, 30), states):
+            c.save(step, params=params, opt_state=opt_state, config=CONFIG, extra={"loss": step / 10})
+    return run
+
+
+@pytest.fixture
+def run(pristine, tmp_path) -> Path:
+    return Path(shutil.copytree(pristine, tmp_path / "run"))
+
+
+def data_files(run: Path, step: int, item: str = "params") -> list[Path]:
+    """The item's array data files (OCDBT's data of process 0), largest first (the token embedding's chunk)."""
+    files = [p for p in (run / "checkpoints" / str(step) / item / "ocdbt.process_0" / "d").iterdir()]
+    return sorted(files, key=lambda p: -p.stat().st_size)
+
+
+def flip_bits(path: Path, n: int = 16) -> None:
+    b = bytearray(path.read_bytes())
+    for i in range(n):
+        b[len(b) // 2 + 97 * i] ^= 1 << (i % 8)
+    path.write_bytes(bytes(b))
+
+
+def damage(run: Path, how: str) -> str:
+    """Damage step 30 as a new user did; return what the report must name."""
+    step = run / "checkpoints" / "30"
+    if how == "bit flip":
+        flip_bits(data_files(run, 30)[0])
+        return "wte/embedding/value: digest"
+    if how == "truncated array":
+        f = data_files(run, 30)[0]
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        return "params/"
+    if how == "garbage array":
+        f = data_files(run, 30, "opt_state")[0]
+        f.write_bytes(os.urandom(f.stat().st_size))
+        return "opt_state/"
+    if how == "garbage _METADATA":
+        (step / "params" / "_METADATA").write_bytes(os.urandom(4000))
+        return "params/"
+    if how == "deleted _METADATA":
+        (step / "params" / "_METADATA").unlink()
+        return "params/"
+    if how == "garbage meta JSON":
+        (step / "meta" / "metadata").write_bytes(b"\xc5\x00garbage" + os.urandom(64))
+        return "meta/ (JSON)"
+    if how == "garbage config JSON":
+        (step / "config" / "metadata").write_text("{not json")
+        return "config/ (JSON)"
+    raise ValueError(how)
+
+
+KINDS = ["bit flip", "truncated array", "garbage array", "garbage _METADATA", "deleted _METADATA",
+         "garbage meta JSON", "garbage config JSON"]
+
+
+def leaves_equal(a, b) -> bool:
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.parametrize("how", KINDS)
+def test_damage_is_named_and_the_newest_intact_step_restored(run, states, how):
+    what = damage(run, how)
+    params, opt_state = states[0]
+    with Checkpoints(run, keep=3) as c:
+        with pytest.raises(CheckpointDamaged) as e:  # an explicit step: no fallback
+            c.restore(30, params=params, opt_state=opt_state)
+        assert e.value.step == 30 and what in str(e.value) and "checkpoint step 30 is damaged" in str(e.value)
+        r = c.restore_newest(params=params, opt_state=opt_state, move_damaged=True)  # what training does
+        assert r.step == 20 and r.verified and [d.step for d in r.skipped] == [30]
+        assert leaves_equal(r.params, states[1][0]) and leaves_equal(r.opt_state, states[1][1])
+        assert c.all_steps() == [10, 20]  # moved aside: keep-K no longer counts it ...
+        (moved,) = c.set_aside("damaged")
+        assert moved.name.startswith("30-") and what in (moved / "reason.txt").read_text()
+        c.save(40, params=params, opt_state=opt_state, config=CONFIG)
+        c.save(50, params=params, opt_state=opt_state, config=CONFIG)
+        c.wait()
+        assert c.all_steps() == [20, 40, 50] and c.set_aside("damaged") == [moved]  # ... and never deletes it
+
+
+@pytest.mark.parametrize("how", ["bit flip", "garbage meta JSON"])
+def test_readers_report_and_skip_without_moving(run, how, capsys):
+    damage(run, how)
+    model, step = load_model_and_step(run)
+    assert step == 20 and leaves_equal(nnx.state(model, nnx.Param), GPT(CFG, rngs=nnx.Rngs(20)))
+    assert "checkpoint step 30 is damaged" in capsys.readouterr().err
+    assert (run / "checkpoints" / "30").is_dir()  # a reader moves nothing
+    assert main(["list", str(run)]) == 1
+    out = capsys.readouterr().out
+    rows = {int(line.split()[0]): line for line in out.splitlines() if line.split()[0].isdigit()}
+    assert "ok" in rows[10] and "ok" in rows[20] and "damaged" in rows[30] and "loss 2.0000" in rows[20]
+    assert main(["export", str(run), "--step", "30", "--to-hf", str(run.parent / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint step 30 is damaged" in err and "Traceback" not in err
+    assert not (run.parent / "hf").exists()
+    assert main(["export", "--run-dir", str(run), "--to-hf", str(run.parent / "hf")]) == 0
+    assert json.loads((run.parent / "hf" / "jaxgpt_export.json").read_text())["step"] == 20
+
+
+def test_list_states_incomplete_unverified_and_positional_run_dir(run, capsys):
+    (run / "checkpoints" / "40.orbax-checkpoint-tmp-123").mkdir()  # a save killed midway
+    meta = run / "checkpoints" / "10" / "meta" / "metadata"  # as an older jaxgpt saved it: no digests
+    m = json.loads(meta.read_text())
+    del m["digests"]
+    meta.write_text(json.dumps(m))
+    assert main(["list", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    states = {int(line.split()[0]): line.split()[1] for line in out.splitlines() if line.split()[0].isdigit()}
+    assert states == {10: "unverified", 20: "ok", 30: "ok", 40: "incomplete"}
+    with Checkpoints(run, read_only=True) as c:
+        assert c.restore(10, params=GPT(CFG, rngs=nnx.Rngs(0)) and nnx.state(GPT(CFG, rngs=nnx.Rngs(0)),
+                                                                            nnx.Param)).verified is False
+    with pytest.raises(SystemExit):
+        main(["list"])  # no run directory: argparse's usage error (exit 2)
+    assert "give the run directory" in capsys.readouterr().err
+
+
+def test_no_intact_step_is_a_clear_error(run, capsys):
+    for s in (10, 20, 30):
+        flip_bits(data_files(run, s)[0])
+    with pytest.raises(NoCheckpointError, match="no intact checkpoint.*\n.*step 30 is damaged"):
+        load_model(run, report=lambda m: None)
+    assert main(["export", str(run), "--to-torch", str(run.parent / "m.pt")]) == 2
+    assert "no intact checkpoint" in capsys.readouterr().err
+
+
+def test_digests_survive_a_mesh_change_and_catch_one_flipped_bit():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from jaxgpt.checkpoint import tree_digests
+
+    x = jax.random.normal(jax.random.key(0), (8, 6))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    sharded = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+    assert tree_digests({"x": x}) == tree_digests({"x": sharded})
+    flipped = np.asarray(x).copy()
+    flipped.view(np.uint32)[3, 4] ^= 1 << 31  # one bit: the sign of one element
+    swapped = np.asarray(x).copy()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    d = tree_digests({"x": x})["x"]
+    assert tree_digests({"x": flipped})["x"] != d and tree_digests({"x": swapped})["x"] != d
+    ints = {"i": jax.numpy.arange(5, dtype=jax.numpy.int32), "b": jax.numpy.ones(3, jax.numpy.bfloat16)}
+    assert set(tree_digests(ints)) == {"i", "b"}
+
+
+# ---- exports that never destroy ---------------------------------------------------------------------------
+def test_export_refuses_foreign_targets_and_the_run_itself(run, tmp_path, capsys):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("precious")
+    for target in (foreign, run, run / "checkpoints", run / "checkpoints" / "30", tmp_path):
+        assert main(["export", str(run), "--to-hf", str(target)]) == 2, target
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and ("other files in it" in err or "must never replace" in err), err
+    assert (foreign / "notes.txt").read_text() == "precious"
+    assert main(["export", str(run), "--to-hf", str(run / "checkpoints"), "--overwrite"]) == 2  # never, even so
+    assert main(["export", str(run), "--to-hf", str(run / "checkpoints" / "30" / "x"), "--overwrite"]) == 2
+    with Checkpoints(run, read_only=True) as c:
+        assert c.all_steps() == [10, 20, 30] and [s.state for s in c.states()] == ["ok"] * 3
+
+    # a file where a directory goes and the other way round: errors, no traceback
+    assert main(["export", str(run), "--to-hf", str(foreign / "notes.txt")]) == 2
+    assert main(["export", str(run), "--to-torch", str(foreign)]) == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a directory" in err and "is a directory; give a file name" in err
+
+    # into a subdirectory of the run (not its checkpoints), then again over our own export: fine
+    hf, pt = run / "export-hf", tmp_path / "ref.pt"
+    for _ in range(2):
+        assert main(["export", str(run), "--to-hf", str(hf), "--to-torch", str(pt)]) == 0
+    assert exportdir._is_our_file(pt) and sorted(torch.load(pt, weights_only=True)) == sorted(
+        __import__("jaxgpt.weights", fromlist=["x"]).to_torch_state_dict(load_model(run)))
+    (tmp_path / "other.pt").write_bytes(b"someone else's file")
+    assert main(["export", str(run), "--to-torch", str(tmp_path / "other.pt")]) == 2
+    assert (tmp_path / "other.pt").read_bytes() == b"someone else's file"
+    assert main(["export", str(run), "--to-torch", str(tmp_path / "other.pt"), "--overwrite"]) == 0
+    assert main(["export", str(run), "--to-hf", str(foreign), "--overwrite"]) == 0  # with consent
+    assert not (foreign / "notes.txt").exists() and (foreign / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no leftovers
+
+
+def test_an_interrupted_export_leaves_the_old_one_whole(run, tmp_path, monkeypatch):
+    import safetensors.numpy
+
+    hf = tmp_path / "hf"
+    export(run, to_hf=hf, step=10)
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+
+    def broken(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(run, to_hf=hf, step=20)
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export(run, to_torch=tmp_path / "sd.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary files left
+
+
+def test_the_command_line_prints_no_traceback_for_a_truncated_array(run, tmp_path):
+    """orbax abandons its other reads when one fails; Python would print them at exit. Nothing but our lines."""
+    import subprocess
+    import sys
+
+    f = data_files(run, 30)[0]
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt.checkpoint", "export", str(run), "--to-hf",
+                           str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("warning: checkpoint step 30 is damaged: params/: ")
+    assert "wte.embedding.value" in proc.stderr  # the array whose data is short
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert json.loads((tmp_path / "hf" / "jaxgpt_export.json").read_text())["step"] == 20
