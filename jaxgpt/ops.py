@@ -272,14 +272,23 @@ def _causal_attention_bwd(dtype, precision, res, g):
     gt, qt = materialize_transpose(gh.astype(dtype)), materialize_transpose(qh)  # (B, H, D, T)
     dq, dkt, dvt = [], jnp.zeros(gt.shape, jnp.float32), jnp.zeros(gt.shape, jnp.float32)
     for (a, b), p in zip(query_blocks(T), probs):
-        dvt = dvt.at[..., :b].add(_einsum("bhdt,bhts->bhds", gt[..., a:b], p, dtype, precision))  # (P^T g)^T
+        dvt = _add_to_first_columns(dvt, _einsum("bhdt,bhts->bhds", gt[..., a:b], p, dtype, precision))  # (P^T g)^T
         dp = _einsum("bhtd,bhds->bhts", gh[:, :, a:b], vt[..., :b], dtype, precision)  # g V^T
         ds = p * (dp - delta[:, :, a:b]) * scale
         dq.append(_einsum("bhts,bhsd->bhtd", ds, kh[:, :, :b], dtype, precision))
-        dkt = dkt.at[..., :b].add(_einsum("bhdt,bhts->bhds", qt[..., a:b], ds, dtype, precision))  # (dS^T q)^T
+        dkt = _add_to_first_columns(dkt, _einsum("bhdt,bhts->bhds", qt[..., a:b], ds, dtype, precision))  # (dS^T q)^T
     dq = jnp.swapaxes(jnp.concatenate(dq, axis=2), 1, 2)  # (B, T, H, D)
     dk, dv = (jnp.transpose(d, (0, 3, 1, 2)) for d in (dkt, dvt))  # (B, H, D, T) -> (B, T, H, D)
     return tuple(d.astype(like.dtype) for d in (dq, dk, dv))
+
+
+def _add_to_first_columns(acc: jax.Array, update: jax.Array) -> jax.Array:
+    """``acc[..., :b] += update`` for ``b = update.shape[-1]``. Over the whole last axis it is a plain add: as a
+    scatter its index is an empty constant, which jax 0.11 passes into a shard_map as an operand and Shardy's
+    canonicalizer (ManualComputationUnusedInputsPattern) then crashed XLA's compiler with (SIGSEGV)."""
+    if update.shape[-1] == acc.shape[-1]:
+        return acc + update
+    return acc.at[..., : update.shape[-1]].add(update)
 
 
 _causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)

@@ -133,6 +133,10 @@ _ZERO = {"broadcast_in_dim", "reshape", "transpose", "slice", "pad", "concatenat
 _TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "expm1", "tanh", "rsqrt", "sqrt", "cbrt", "logistic", "pow",
                    "erf", "sin", "cos"}
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_and", "reduce_or"}
+# Primitives that lower to several elementwise HLO ops, each of which XLA counts: jax 0.11 writes tanh's
+# derivative 1 - tanh(x)^2 as one primitive, ``one_minus_square``, lowered as (1 + y) * (1 - y) (add, subtract,
+# multiply), where jax 0.10 wrote those ops out in the jaxpr itself.
+_LOWERED_OPS = {"one_minus_square": 3}
 _CATEGORY = [  # (substring of the op's source location, category)
     ("LayerNorm.__call__", "layernorm"), ("MLP.__call__", "gelu"), ("Linear.__call__", "bias"),
     ("(attention)", "attention"), ("ops.py", "loss"), ("cross_entropy", "loss"), ("Embed", "embedding"),
@@ -176,6 +180,8 @@ def jaxpr_flops(jaxpr, acc=None, mult=1, *, scan_once=False) -> collections.Coun
             continue
         if prim in _REDUCE:
             f = int(np.prod(eqn.invars[0].aval.shape)) - out
+        elif prim in _LOWERED_OPS:
+            f = out * _LOWERED_OPS[prim]
         elif prim == "integer_pow":
             f = out * max(1, abs(eqn.params["y"]) - 1)
         elif prim.startswith("scatter"):
