@@ -7,10 +7,10 @@ PY     := $(VENV)/bin/python
 
 .PHONY: train test test-all bench env clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]" -c constraints-cpu.txt
 	touch $@
 
 env: $(VENV)/.installed
