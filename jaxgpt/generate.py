@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import math
 import sys
 import time
@@ -56,7 +57,7 @@ from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.precision import Policy
 
 __all__ = ["GenerateError", "argmax", "categorical", "generate", "generate_text", "kth_largest", "load_model",
-           "load_checkpoint", "main", "sample_logits", "trace_count"]
+           "generate_samples", "load_checkpoint", "main", "sample_logits", "trace_count"]
 
 
 class GenerateError(ValueError):
@@ -359,23 +360,48 @@ def generate_text(
     seed: int = 0,
     num_samples: int = 1,
     use_cache: bool = True,
+    allow_special: bool = False,
 ) -> list[str]:
     """``num_samples`` texts: ``prompt`` followed by its sampled continuation, through GPT-2's tokenizer.
 
-    The prompt is encoded literally (a ``"<|endoftext|>"`` in it is ordinary text). An empty prompt
-    samples unconditionally: the context starts with the end-of-text token, which is not returned.
+    The prompt is encoded literally: a ``"<|endoftext|>"`` typed in it is seven ordinary tokens, unless
+    ``allow_special`` makes each one the end-of-text token (50256), as between documents in training. An empty
+    prompt samples unconditionally: the context starts with the end-of-text token, which is not returned.
     """
+    return [text for text, _ in generate_samples(model, prompt, max_new_tokens=max_new_tokens,
+                                                 temperature=temperature, top_k=top_k, seed=seed,
+                                                 num_samples=num_samples, use_cache=use_cache,
+                                                 allow_special=allow_special)]
+
+
+def generate_samples(
+    model: GPT,
+    prompt: str | Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = 50,
+    seed: int = 0,
+    num_samples: int = 1,
+    use_cache: bool = True,
+    allow_special: bool = False,
+) -> list[tuple[str, list[int]]]:
+    """Like :func:`generate_text`, with each sample's token ids (prompt + continuation); ``prompt`` may also be
+    token ids (checked against the vocabulary), taken as they are."""
     from jaxgpt.tokenizer import EOT_TOKEN, decode, encode
 
-    if not isinstance(prompt, str):
-        raise GenerateError(f"prompt = {prompt!r}: expected a string")
-    ids = encode(prompt)
+    if isinstance(prompt, str):
+        ids = encode(prompt, allow_eot=allow_special)
+    elif isinstance(prompt, Sequence) and all(isinstance(i, (int, np.integer)) for i in prompt):
+        ids = [int(i) for i in prompt]
+    else:
+        raise GenerateError(f"prompt = {prompt!r}: expected a string or a list of token ids")
     skip = 0
     if not ids:
         ids, skip = [EOT_TOKEN], 1
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                    seed=seed, num_samples=num_samples, use_cache=use_cache)
-    return [decode(row[skip:].tolist()) for row in out]
+    return [(decode(row[skip:].tolist()), row[skip:].tolist()) for row in out]
 
 
 # ---- loading a model ------------------------------------------------------------------------------------
@@ -452,6 +478,19 @@ def _temperature(s: str) -> float:
     return v
 
 
+def _token_ids(s: str) -> list[int]:
+    parts = [p for p in s.replace(",", " ").split() if p]
+    if not parts:
+        raise argparse.ArgumentTypeError("no token ids given (e.g. --prompt-ids 15496,11,995)")
+    try:
+        ids = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: token ids are integers, comma- or space-separated") from None
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: token ids are >= 0")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxgpt.generate",
@@ -463,7 +502,18 @@ def build_parser() -> argparse.ArgumentParser:
                         f"model (presets: {', '.join(sorted(PRESETS))}) (default: gpt2)")
     p.add_argument("--step", type=_int_at_least(0), default=None,
                    help="with a training run directory: the checkpoint step (default: the latest)")
-    p.add_argument("--prompt", default="", help="the text to continue (default: empty = unconditional)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="",
+                        help="the text to continue (default: empty = unconditional). Taken literally: a typed "
+                             "<|endoftext|> is seven ordinary tokens unless --allow-special")
+    prompt.add_argument("--prompt-ids", type=_token_ids, default=None, metavar="IDS",
+                        help="the prompt as GPT-2 token ids, comma- or space-separated (e.g. '15496,11,995')")
+    p.add_argument("--allow-special", action="store_true",
+                   help="<|endoftext|> in --prompt is the special end-of-text token 50256 (the document separator "
+                        "the model was trained with), not seven ordinary tokens")
+    p.add_argument("--print-ids", action="store_true",
+                   help="after each sample's text, print its token ids (prompt + new tokens) as one JSON line: "
+                        '{"sample": i, "ids": [...]}')
     p.add_argument("--max-new-tokens", type=_int_at_least(0), default=100)
     p.add_argument("--temperature", type=_temperature, default=1.0, help="0 = greedy (default: 1.0)")
     p.add_argument("--top-k", type=_int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
@@ -484,17 +534,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy = Policy.named(args.precision)
         model = load_model(args.init_from, policy=policy, step=args.step)
         t0 = time.perf_counter()
-        texts = generate_text(model, args.prompt, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k or None, seed=args.seed,
-                              num_samples=args.num_samples, use_cache=not args.no_cache)
+        if args.allow_special and args.prompt_ids is not None:
+            raise GenerateError("--allow-special applies to --prompt text; --prompt-ids are taken as they are")
+        samples = generate_samples(model, args.prompt if args.prompt_ids is None else args.prompt_ids,
+                                   max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
+                                   use_cache=not args.no_cache, allow_special=args.allow_special)
         dt = time.perf_counter() - t0
     except (ValueError, OSError, ImportError) as e:  # GenerateError, ConfigError, TokenError, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for i, text in enumerate(texts):
+    for i, (text, ids) in enumerate(samples):
         if i:
             print("-" * 40)
         print(text)
+        if args.print_ids:
+            print(json.dumps({"sample": i, "ids": ids}))
     n = args.max_new_tokens * args.num_samples
     print(f"[{n} tokens in {dt:.2f} s including compilation: {n / max(dt, 1e-9):.1f} tokens/s]",
           file=sys.stderr)

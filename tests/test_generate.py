@@ -6,6 +6,7 @@ few module-scoped generations; everything uses one tiny model whose padded vocab
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -305,6 +306,40 @@ def test_cli_bad_values(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and match in err and "Traceback" not in err
+
+
+def test_cli_prompt_ids_print_ids_and_the_special_token(tiny_text_model, capsys):
+    """--prompt-ids is the same prompt as its text; --print-ids prints each sample's ids as a JSON line; a typed
+    <|endoftext|> is literal (seven tokens) unless --allow-special makes it the token 50256."""
+    pytest.importorskip("jaxgpt.tokenizer")
+    from jaxgpt.tokenizer import EOT_TOKEN, encode
+
+    greedy = ["--init-from", "random:tiny", "--max-new-tokens", "3", "--temperature", "0", "--print-ids"]
+    assert main([*greedy, "--prompt", "Hello, world"]) == 0
+    by_text = capsys.readouterr().out
+    assert main([*greedy, "--prompt-ids", " ".join(map(str, encode("Hello, world")))]) == 0
+    assert capsys.readouterr().out == by_text
+    text, ids_line = by_text.splitlines()
+    ids = json.loads(ids_line)
+    assert ids["sample"] == 0 and ids["ids"][:3] == encode("Hello, world") and len(ids["ids"]) == 6
+    assert text.startswith("Hello, world")
+
+    for flag, expected in (([], encode("a<|endoftext|>b")), (["--allow-special"], [64, EOT_TOKEN, 65])):
+        assert main([*greedy, "--prompt", "a<|endoftext|>b", *flag]) == 0
+        prompt_ids = json.loads(capsys.readouterr().out.splitlines()[-1])["ids"][:-3]
+        assert prompt_ids == expected
+    assert len(encode("a<|endoftext|>b")) == 9  # a, seven literal pieces, b
+    assert generate_text(tiny_text_model, "<|endoftext|>", max_new_tokens=1, temperature=0,
+                         allow_special=True)[0].startswith("<|endoftext|>")
+
+    assert main(["--init-from", "random:tiny", "--prompt-ids", "60000"]) == 2
+    assert "outside [0, 50257)" in capsys.readouterr().err
+    for bad in (["--prompt-ids", "x,1"], ["--prompt-ids", "-1"], ["--prompt-ids", "1", "--prompt", "a"]):
+        with pytest.raises(SystemExit):
+            main(["--init-from", "random:tiny", *bad])
+        assert "Traceback" not in capsys.readouterr().err
+    assert main([*greedy, "--prompt-ids", "1", "--allow-special"]) == 2
+    assert "--allow-special applies to --prompt text" in capsys.readouterr().err
 
 
 TEXT_ARGV = ["--prompt", "Hello, world", "--max-new-tokens", "6", "--temperature", "0.9", "--top-k", "20",
