@@ -56,6 +56,7 @@ class DataLoader:
         self._windows = [(s.num_tokens - 1) // self.tokens_per_batch // self.process_count for s in self.shards]
         self._random_starts = np.array([max(s.num_tokens - self.seq_len, 0) for s in self.shards], dtype=np.int64)
         self._check_enough_tokens()
+        self._last_rows: list[tuple[int, int]] = []  # (shard, token offset) of each row of the last batch
         self.reset()
 
     @property
@@ -111,6 +112,7 @@ class DataLoader:
         shard = self._order[self.shard_pos]
         start = (self.window * self.process_count + self.process_index) * self.tokens_per_batch
         flat = np.asarray(self._tokens(shard)[start : start + self.tokens_per_batch + 1], dtype=np.int32)
+        self._last_rows = [(shard, start + r * self.seq_len) for r in range(self.batch_size)]
         self._advance(shard)
         idx = np.arange(self.batch_size)[:, None] * self.seq_len + np.arange(self.seq_len + 1)[None, :]
         return flat[idx]
@@ -130,8 +132,32 @@ class DataLoader:
         picks = rng.integers(0, ends[-1], size=self.batch_size)
         shard_ids = np.searchsorted(ends, picks, side="right")
         offsets = picks - (ends[shard_ids] - starts_per_shard[shard_ids])
+        self._last_rows = [(int(s), int(o)) for s, o in zip(shard_ids, offsets)]
         return np.stack([np.asarray(self._tokens(int(s))[o : o + self.seq_len + 1], dtype=np.int32)
                          for s, o in zip(shard_ids, offsets)])
+
+    def locate(self, row: int, col: int) -> tuple[Path, int]:
+        """Where token ``x[row, col]`` of the last batch came from: the shard file and the token offset in it
+        (``y[row, col]`` is the next token, at offset + 1)."""
+        shard, offset = self._last_rows[row]
+        return self.shards[shard].path, offset + col
+
+    def token_error(self, x: np.ndarray, y: np.ndarray, vocab_size: int) -> DataError | None:
+        """For the last batch ``x, y`` (as returned, or reshaped with the rows in order): a DataError naming the
+        shard, the offset and the first id ``>= vocab_size`` (or negative), or None when every id is valid."""
+        for name, a, shift in (("x", x, 0), ("y", y, 1)):
+            rows = np.asarray(a).reshape(-1, self.seq_len)
+            bad = np.argwhere((rows < 0) | (rows >= vocab_size))
+            if len(bad):
+                r, c = (int(v) for v in bad[0])
+                path, offset = self.locate(r, c)
+                return DataError(
+                    f"{path}: token id {int(rows[r, c]):,} at token offset {offset + shift:,} is outside the model's "
+                    f"vocabulary [0, {vocab_size:,}) (found in batch {self.step} of the {self.split} split, {name}). "
+                    "These shards were made with another tokenizer or for a larger vocabulary: re-tokenize the "
+                    f"corpus with `python -m jaxgpt.data ... --out {self.data} --force`, or use a model whose "
+                    "vocab_size covers the ids")
+        return None
 
     def _identity(self) -> dict[str, Any]:
         return {"data_num_shards": len(self.shards), "data_num_tokens": self.num_tokens, "split": self.split,

@@ -3,6 +3,7 @@ the shards and then the manifest; reuse shards whose manifest matches the input 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import multiprocessing
@@ -18,7 +19,8 @@ from jaxgpt import tokenizer
 from jaxgpt.data.common import DataError, _log, _read_json, atomic_write_json
 from jaxgpt.data.corpus import Corpus
 from jaxgpt.data.shards import (FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SPLITS, ShardWriter, encode_document,
-                                shard_filename)
+                                shard_filename, tokenizer_record)
+from jaxgpt.rundir import LOCK_NAME
 from jaxgpt.data.sources import resolve_source
 
 
@@ -132,12 +134,20 @@ def prepare(
         raise DataError(f"{corpus.source} has no documents; nothing to tokenize")
     out = Path(out_dir)
     settings = _settings(val_fraction, shard_size)
-    existing = None if force else _manifest_matches(out, corpus, settings)
-    if existing is not None:
-        if verbose:
-            _log(f"{out}: shards up to date (source sha256 {corpus.sha256[:12]}…, built from {existing['source']})")
-        return out
-    manifest = _build_shards(corpus, out, settings, num_proc, verbose)
+    with _writing(out) as created:
+        existing = None if force else _manifest_matches(out, corpus, settings)
+        if existing is not None:
+            if verbose:
+                _log(f"{out}: shards up to date (source sha256 {corpus.sha256[:12]}…, built from "
+                     f"{existing['source']})")
+            return out
+        try:
+            manifest = _build_shards(corpus, out, settings, num_proc, verbose)
+        except EmptySplit:
+            if created:  # leave nothing behind: not even the new, empty directory
+                (out / LOCK_NAME).unlink(missing_ok=True)
+                out.rmdir()
+            raise
     if verbose:
         counts = ", ".join(f"{s} {manifest['splits'][s]['num_tokens']:,} tokens in "
                            f"{len(manifest['splits'][s]['shards'])} shard(s)" for s in SPLITS)
@@ -145,12 +155,49 @@ def prepare(
     return out
 
 
+class EmptySplit(DataError):
+    """The corpus has no text, or a split would hold no tokens; raised before any shard is written."""
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[bool]:
+    """Create ``out`` (errors naming the problem) and hold its lock while the block writes; whether it was new."""
+    from jaxgpt import rundir
+
+    created = not out.exists()
+    try:
+        with rundir.locked_dir(out, what="shard directory", option="--out"):
+            yield created
+    except rundir.DirError as e:
+        raise DataError(str(e)) from None
+
+
+def _check_not_empty(corpus: Corpus, writers: dict[str, ShardWriter], val_fraction: float) -> None:
+    counts = {s: w.num_tokens for s, w in writers.items()}
+    text = sum(counts.values()) - corpus.num_documents  # every document adds one <|endoftext|>
+    if text <= 0:
+        raise EmptySplit(f"{corpus.source}: no text to train on ({corpus.num_documents} document(s), all empty); "
+                         "nothing was written. Pass a corpus with text")
+    if counts["train"] < 2:
+        raise EmptySplit(f"{corpus.source}: the train split would hold {counts['train']} token(s) (val_fraction "
+                         f"{val_fraction} of {sum(counts.values())} tokens goes to val); nothing was written. Use a "
+                         "smaller --val-fraction or more text")
+    if val_fraction > 0 and counts["val"] < 2:
+        raise EmptySplit(f"{corpus.source}: the val split would hold {counts['val']} token(s) at val_fraction "
+                         f"{val_fraction}; nothing was written. Use more text, a larger --val-fraction, or "
+                         "--val-fraction 0 for no val split")
+
+
 def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc: int, verbose: bool) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST_NAME).unlink(missing_ok=True)  # the shards are about to change
+    def drop_manifest() -> None:  # the shards are about to change
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+
     meta = {"source": corpus.source, "route": corpus.route, "source_sha256": corpus.sha256}
-    writers = {s: ShardWriter(out, corpus.name, s, settings["shard_size"], meta) for s in SPLITS}
+    writers = {s: ShardWriter(out, corpus.name, s, settings["shard_size"], meta, before_first_write=drop_manifest)
+               for s in SPLITS}
     _write_splits(corpus, writers, settings["val_fraction"], _tokenized(corpus, num_proc, verbose))
+    _check_not_empty(corpus, writers, settings["val_fraction"])
+    drop_manifest()
     headers = {s: w.close() for s, w in writers.items()}
     _remove_stale_shards(out, corpus.name, {shard_filename(corpus.name, h["split"], h["index"])
                                             for hs in headers.values() for h in hs})
@@ -158,6 +205,7 @@ def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc:
         "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "name": corpus.name, "source": corpus.source,
         "route": corpus.route, "source_sha256": corpus.sha256, "num_documents": corpus.num_documents,
         "split_mode": split_mode(corpus.num_documents, settings["val_fraction"]), "settings": settings,
+        "tokenizer": tokenizer_record(),
         "splits": {s: {"num_tokens": sum(h["num_tokens"] for h in hs),
                        "shards": [{"file": shard_filename(corpus.name, s, h["index"]), "num_tokens": h["num_tokens"]}
                                   for h in hs]}

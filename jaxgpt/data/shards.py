@@ -42,13 +42,14 @@ def shard_filename(name: str, split: str, index: int) -> str:
 
 def write_shard(out_dir: Path, name: str, split: str, index: int, tokens: Any, meta: dict[str, Any]) -> dict[str, Any]:
     """Write one ``.bin`` shard and its ``.json`` sidecar atomically; the sidecar header."""
-    data = to_uint16(tokens).astype("<u2").tobytes()
+    tokens = to_uint16(tokens)
+    data = tokens.astype("<u2").tobytes()
     bin_path = Path(out_dir) / shard_filename(name, split, index)
     header = {
         "format": SHARD_FORMAT, "version": FORMAT_VERSION, "name": name, "split": split, "index": index,
         "num_tokens": len(data) // 2, "dtype": "uint16", "byte_order": "little",
         "tokenizer": tokenizer.ENCODING_NAME, "vocab_size": tokenizer.VOCAB_SIZE, "eot_token": tokenizer.EOT_TOKEN,
-        "sha256": sha256_bytes(data), **meta,
+        "max_token": int(np.max(tokens)) if len(data) else -1, "sha256": sha256_bytes(data), **meta,
     }
     atomic_write_bytes(bin_path, data)
     atomic_write_json(bin_path.with_suffix(".json"), header)
@@ -58,8 +59,10 @@ def write_shard(out_dir: Path, name: str, split: str, index: int, tokens: Any, m
 class ShardWriter:
     """Accumulates token arrays of one split and writes them out in shards of ``shard_size`` tokens."""
 
-    def __init__(self, out_dir: Path, name: str, split: str, shard_size: int, meta: dict[str, Any]):
+    def __init__(self, out_dir: Path, name: str, split: str, shard_size: int, meta: dict[str, Any],
+                 before_first_write: Any = None):
         self.out_dir, self.name, self.split, self.shard_size, self.meta = out_dir, name, split, shard_size, meta
+        self.before_first_write = before_first_write  # called once, before this writer's first file
         self.pending: list[np.ndarray] = []
         self.num_pending = 0
         self.headers: list[dict[str, Any]] = []
@@ -75,7 +78,15 @@ class ShardWriter:
             self._flush(self.num_pending)
         return self.headers
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens added so far (written and pending)."""
+        return sum(h["num_tokens"] for h in self.headers) + self.num_pending
+
     def _flush(self, n: int) -> None:
+        if self.before_first_write is not None:
+            self.before_first_write()
+            self.before_first_write = None
         buf = np.concatenate(self.pending)
         self.headers.append(write_shard(self.out_dir, self.name, self.split, len(self.headers), buf[:n], self.meta))
         self.pending = [buf[n:]] if len(buf) > n else []
@@ -131,3 +142,37 @@ def _describe(shards: Sequence[Shard], limit: int = 8) -> str:
     parts = [f"{s.path} ({s.num_tokens:,} tokens)" for s in shards[:limit]]
     more = f", ... {len(shards) - limit} more" if len(shards) > limit else ""
     return ", ".join(parts) + more
+
+
+def tokenizer_record() -> dict[str, Any]:
+    """What a manifest records of the tokenizer its shards were made with."""
+    return {"name": tokenizer.ENCODING_NAME, "vocab_size": tokenizer.VOCAB_SIZE,
+            "merges_sha256": tokenizer.VOCAB_BPE_SHA256, "eot_token": tokenizer.EOT_TOKEN}
+
+
+def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[str] = SPLITS) -> None:
+    """Refuse shards a model with ``vocab_size`` ids cannot train on, before the first step: a manifest naming
+    another tokenizer (name or merges) or a larger vocabulary, or a shard whose header records an id
+    ``>= vocab_size``. Reads JSON headers only (no token data); shards without these records (made before they
+    were recorded) pass here, and their ids are checked batch by batch (:meth:`DataLoader.token_error`)."""
+    data = Path(data)
+    manifest = _read_json(data / MANIFEST_NAME) if data.is_dir() else None
+    rec = (manifest or {}).get("tokenizer")
+    ours = tokenizer_record()
+    redo = (f"re-tokenize the corpus with this tokenizer: `python -m jaxgpt.data ... --out {data} --force`")
+    if isinstance(rec, dict):
+        if rec.get("name") != ours["name"] or rec.get("merges_sha256") != ours["merges_sha256"]:
+            raise DataError(f"{data}: the shards were made with tokenizer {rec.get('name')!r} (merges sha256 "
+                            f"{str(rec.get('merges_sha256'))[:12]}...), but jaxgpt tokenizes with {ours['name']!r} "
+                            f"(merges sha256 {ours['merges_sha256'][:12]}...): its ids mean other text; {redo}")
+        if int(rec.get("vocab_size", 0)) > vocab_size:
+            raise DataError(f"{data}: the shards' tokenizer has {rec['vocab_size']:,} ids but the model's vocab_size is "
+                            f"{vocab_size:,}: ids >= {vocab_size:,} would index past its embedding; use a model with "
+                            f"vocab_size >= {rec['vocab_size']:,}, or {redo}")
+    for split in splits:
+        for shard in find_shards(data, split):
+            top = shard.header.get("max_token")
+            if isinstance(top, int) and top >= vocab_size:
+                raise DataError(f"{shard.path}: holds token id {top:,} >= the model's vocab_size {vocab_size:,} (its "
+                                f"header records it); these shards were made for a larger vocabulary: use a model "
+                                f"with vocab_size > {top:,}, or {redo}")

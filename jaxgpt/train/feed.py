@@ -28,6 +28,9 @@ class BatchFeed:
         from jaxgpt import step as step_lib
 
         x, y = self.loader.next_batch()
+        bad = self.loader.token_error(x, y, self.model_config.vocab_size)  # names the shard and the offset
+        if bad is not None:
+            raise bad
         x, y = x.reshape(self.shape), y.reshape(self.shape)
         step_lib.check_batch(x, y, self.model_config)
         return step_lib.place_batch(x, y, self.mesh), self.loader.state_dict()

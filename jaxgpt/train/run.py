@@ -153,6 +153,9 @@ class Run:
             run.say = _say if run.is_main else (lambda *_a, **_k: None)
             run._set_up_data()
             run._set_up_model()
+            from jaxgpt import data as data_lib
+
+            data_lib.check_shards_for_model(run.data_dir, run.model_cfg.vocab_size)  # headers only
         except BaseException:
             run._unlock()
             raise
@@ -184,7 +187,8 @@ class Run:
 
         cfg = self.cfg
         self.data_dir = cfg.resolved_data_dir()
-        if not (self.data_dir / data_lib.MANIFEST_NAME).exists():
+        handmade = any(self.data_dir.glob("*_train_[0-9]*.bin"))  # shards without a manifest: used as they are
+        if not (self.data_dir / data_lib.MANIFEST_NAME).exists() and not handmade:
             if cfg.data_source.startswith(data_lib.HF_PREFIX):  # large: prepared on purpose, with its options
                 raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
                                   f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config "
