@@ -177,13 +177,18 @@ def test_digests_survive_a_mesh_change_and_catch_one_flipped_bit():
     x = jax.random.normal(jax.random.key(0), (8, 6))
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
     sharded = jax.device_put(x, NamedSharding(mesh, P("d", None)))
-    assert tree_digests({"x": x}) == tree_digests({"x": sharded})
     flipped = np.asarray(x).copy()
     flipped.view(np.uint32)[3, 4] ^= 1 << 31  # one bit: the sign of one element
-    swapped = np.asarray(x).copy()
-    swapped[[0, 1]] = swapped[[1, 0]]
-    d = tree_digests({"x": x})["x"]
-    assert tree_digests({"x": flipped})["x"] != d and tree_digests({"x": swapped})["x"] != d
+    swapped, moved = np.asarray(x).copy(), np.asarray(x).copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # two rows exchanged
+    moved[:, [2, 5]] = moved[:, [5, 2]]  # two columns exchanged
+    for kind in ("xxh3", "dev"):  # the host digest, and the device one used for arrays spread over processes
+        like = {"x": f"{kind}:"}
+        d = tree_digests({"x": x}, like=like)["x"]
+        assert d.startswith(kind + ":") and tree_digests({"x": sharded}, like=like)["x"] == d
+        for damaged in (flipped, swapped, moved):
+            assert tree_digests({"x": jax.numpy.asarray(damaged)}, like=like)["x"] != d
+    assert tree_digests({"x": x})["x"].startswith("xxh3:")  # one process holds it whole
     ints = {"i": jax.numpy.arange(5, dtype=jax.numpy.int32), "b": jax.numpy.ones(3, jax.numpy.bfloat16)}
     assert set(tree_digests(ints)) == {"i", "b"}
 
