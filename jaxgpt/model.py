@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from einops import rearrange
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jaxgpt import ops
 from jaxgpt.config import GPTConfig
@@ -303,6 +303,15 @@ class GPT(nnx.Module):
                                              vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
                                              precision=self.policy.lax_precision)
         return cross_entropy(self.logits(h), targets)
+
+    def token_losses(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]
+                     ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+        """Each position's next-token cross-entropy in fp32 (no dropout), and whether its target is the greedy
+        (largest-logit) token: what evaluation sums, averages and checks."""
+        check_tokens(targets, self.config, name="targets")
+        h, _ = self.hidden(idx)
+        return ops.token_cross_entropy(h, self.wte.embedding[...], targets, vocab_size=self.config.vocab_size,
+                                       dtype=self.policy.dtype, precision=self.policy.lax_precision)
 
     # ---- incremental decoding -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_seq: int | None = None) -> KVCache:

@@ -29,7 +29,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 
 def platform() -> str:
@@ -202,6 +202,39 @@ def lm_head_cross_entropy(
     C = h.shape[-1]
     return _fused_ce(h.reshape(-1, C).astype(jnp.float32), w, targets.reshape(-1), vocab_size,
                      jnp.dtype(dtype), precision)
+
+
+def token_cross_entropy(
+    h: Float[Array, "batch seq embed"],
+    w: Float[Array, "vocab_rows embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    vocab_size: int,
+    dtype,
+    precision=None,
+) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    """Each token's cross-entropy ``logsumexp(logits) - logits[target]`` of the tied lm_head ``logits = h @ w^T``
+    over the first ``vocab_size`` columns, in fp32, and whether the target has the largest logit (greedy decoding
+    would pick it): what evaluation scores with, without the gradient. Chunked like
+    :func:`lm_head_cross_entropy`, so the (tokens, vocab) fp32 logits never exist whole."""
+    B, T, C = h.shape
+    M = B * T
+    rows = _chunk_rows(M, w.shape[0])
+    n_chunks = math.ceil(M / rows)
+    pad = n_chunks * rows - M
+    hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
+    tc = jnp.pad(targets.reshape(M), (0, pad)).reshape(n_chunks, rows)
+    w_c = w.astype(dtype)[:vocab_size]
+
+    def chunk(inp):
+        h_i, t_i = inp
+        logits = lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, t_i[:, None], axis=-1)[:, 0]
+        return lse - tgt, tgt >= jnp.max(logits, axis=-1)
+
+    losses, greedy = lax.map(chunk, (hc, tc))
+    return losses.reshape(-1)[:M].reshape(B, T), greedy.reshape(-1)[:M].reshape(B, T)
 
 
 # ---- causal self-attention ------------------------------------------------------------------------------------

@@ -28,3 +28,13 @@ GRAD_BF16_REL = 2e-2
 TRAIN_LOSS_ABS = 1e-5
 TRAIN_PARAM_REL = 1e-4
 GRAD_ACCUM_ABS = 1e-6
+
+# HellaSwag: an ending's summed / mean loss over its tokens (a sum of at most ~45 per-token losses that each
+# agree to ~1e-7 relative); the predictions (argmins) must be identical.
+EVAL_LOSS_REL = 1e-5
+
+# lm-evaluation-harness: a request's log-likelihood is a sum of up to ~50 token log-probabilities (the rolling
+# windows: a whole text); each agrees to ~1e-6 between jaxgpt and transformers in fp32.
+LM_EVAL_LOGLIK_ABS = 1e-4
+# Perplexities are exp of such sums divided by word / byte counts: they agree to float rounding of those.
+LM_EVAL_PPL_REL = 1e-5

@@ -42,6 +42,9 @@ class TrainConfig:
     log_interval: int = 1  # steps between metrics.jsonl / TensorBoard records
     eval_interval: int = 100  # steps between validation losses (0: only at the end)
     eval_steps: int = 20  # validation batches per evaluation (always the same first ones)
+    hellaswag_interval: int = 0  # steps between HellaSwag scores (build-nanogpt's acc_norm; 0: never)
+    hellaswag_file: str | None = None  # the official hellaswag_val.jsonl (None: the cached copy, or download it)
+    hellaswag_limit: int | None = None  # score only the first N items (None: all 10,042)
     sample_interval: int = 0  # steps between samples (0: only at the end; -1: never)
     sample_prompt: str = "\n"
     sample_num: int = 2
@@ -81,7 +84,8 @@ class TrainConfig:
         for field in ("batch_size", "seq_len", "max_steps", "log_interval", "eval_steps", "sample_num",
                       "keep_checkpoints"):
             check(field, getattr(self, field) >= 1, "must be an integer >= 1")
-        for field in ("eval_interval", "checkpoint_interval", "sample_len", "seed"):
+        check("hellaswag_limit", self.hellaswag_limit is None or self.hellaswag_limit >= 1, "must be null or >= 1")
+        for field in ("eval_interval", "checkpoint_interval", "sample_len", "seed", "hellaswag_interval"):
             check(field, getattr(self, field) >= 0, "must be an integer >= 0")
         for field in ("spike_loss_factor", "spike_grad_norm_factor"):
             check(field, getattr(self, field) == 0 or getattr(self, field) > 1, "must be 0 (off) or a factor > 1")

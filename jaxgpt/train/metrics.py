@@ -107,10 +107,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(run_dir: str | Path) -> Path | None:
-    """loss.png: train and val loss against step, from metrics.jsonl."""
+    """loss.png: train and val loss against step, from metrics.jsonl; with HellaSwag scores, a second panel of
+    their accuracy (acc_norm, build-nanogpt's number, and acc)."""
     records = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in records if r["type"] == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r["type"] == "eval"]
+    hs = [(r["step"], r["acc_norm"], r["acc"]) for r in records if r["type"] == "hellaswag"]
     if not train and not val:
         return None
     import matplotlib
@@ -118,7 +120,8 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2 if hs else 1, figsize=(14 if hs else 8, 5), squeeze=False)
+    ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train", lw=1)
     if val:
@@ -128,6 +131,17 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     ax.set_title(Path(run_dir).name)
     ax.grid(alpha=0.3)
     ax.legend()
+    if hs:
+        ax = axes[0, 1]
+        steps, acc_norm, acc = zip(*hs)
+        ax.plot(steps, acc_norm, "o-", ms=3, label="acc_norm")
+        ax.plot(steps, acc, "s--", ms=3, lw=1, label="acc")
+        ax.axhline(0.25, color="grey", lw=1, ls=":", label="chance")
+        ax.set_xlabel("step")
+        ax.set_ylabel("HellaSwag accuracy")
+        ax.set_title(f"HellaSwag ({hs[-1][0]}: acc_norm {hs[-1][1]:.4f})")
+        ax.grid(alpha=0.3)
+        ax.legend()
     out = Path(run_dir) / "loss.png"
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)

@@ -152,6 +152,7 @@ class Run:
             run.tokens_per_step = run.micro_steps * cfg.batch_size * cfg.seq_len * run.pcount
             run.say = _say if run.is_main else (lambda *_a, **_k: None)
             run._set_up_data()
+            run._set_up_hellaswag()
             run._set_up_model()
             from jaxgpt import data as data_lib
 
@@ -202,6 +203,19 @@ class Run:
             process_index=self.pindex, process_count=self.pcount)
         self.val_state = self.val_loader.state_dict()
         self.n_eval = min(cfg.eval_steps, self.val_loader.batches_per_epoch)  # never the same batch twice
+
+    def _set_up_hellaswag(self) -> None:
+        """The HellaSwag items, read (or downloaded) now, so a missing file fails before the first step."""
+        self.hellaswag_items, self.hellaswag_scorer = None, None
+        if self.cfg.hellaswag_interval:
+            from jaxgpt.eval import EvalError, hellaswag
+
+            try:
+                path = hellaswag.find_or_download(self.cfg.hellaswag_file)
+                self.hellaswag_items = hellaswag.load(path, limit=self.cfg.hellaswag_limit)
+            except EvalError as e:
+                raise ConfigError(f"TrainConfig.hellaswag_interval = {self.cfg.hellaswag_interval}: {e} (set "
+                                  "hellaswag_file, or hellaswag_interval: 0)") from None
 
     def _set_up_model(self) -> None:
         import jax
@@ -404,7 +418,8 @@ class Run:
                 self.feed.read_ahead()  # ... while the host prepares the next batch
             due = {name: bool(every) and step % every == 0 and step != cfg.max_steps
                    for name, every in (("eval", cfg.eval_interval), ("checkpoint", cfg.checkpoint_interval),
-                                       ("sample", max(cfg.sample_interval, 0)))}
+                                       ("sample", max(cfg.sample_interval, 0)),
+                                       ("hellaswag", cfg.hellaswag_interval))}
             if (step == first or step % cfg.log_interval == 0 or step == cfg.max_steps or any(due.values())
                     or self.held is not None):
                 verdict = self.sync()
@@ -416,6 +431,8 @@ class Run:
                 self.val_loss, self.val_step = self.evaluate(), step
                 self.metrics.write({"type": "eval", "step": step, "val_loss": self.val_loss})
                 self.say(f"step {step}: train loss {self.last['loss']:.4f}, val loss {self.val_loss:.4f}")
+            if due["hellaswag"]:
+                self.score_hellaswag(step)
             if due["sample"]:
                 self.sample(step)
             if due["checkpoint"]:
@@ -507,6 +524,22 @@ class Run:
             losses.append(self.eval_step(self.state.params, x, y))
         return float(np.mean([float(v) for v in losses]))
 
+    def score_hellaswag(self, step: int) -> None:
+        """HellaSwag accuracy of the current params (build-nanogpt's scoring), logged to metrics.jsonl."""
+        from flax import nnx
+
+        from jaxgpt.eval import hellaswag
+
+        params = _on_one_device(self.state.params)  # every process takes part (a collective with several)
+        if not self.is_main:
+            return
+        if self.hellaswag_scorer is None:  # compiled once, reused at every interval
+            self.hellaswag_scorer = hellaswag.Scorer(nnx.merge(self.graphdef, params))
+        r = self.hellaswag_scorer.evaluate(self.hellaswag_items, params=params)
+        self.metrics.write({"type": "hellaswag", "step": step, "acc": r["acc"], "acc_norm": r["acc_norm"],
+                            "n": r["n"], "seconds": r["seconds"]})
+        self.say(f"step {step}: HellaSwag acc_norm {r['acc_norm']:.4f} (acc {r['acc']:.4f}, {r['n']} items)")
+
     def sample(self, step: int) -> None:
         """``sample_num`` samples from the current params, appended to samples.txt and printed."""
         from flax import nnx
@@ -560,6 +593,8 @@ class Run:
             if not math.isfinite(self.val_loss):  # the final state's check: no training step evaluates it
                 self.recover(Verdict(self.final_step + 1, self.val_loss, math.nan, f"the final validation loss "
                                      f"is {self.val_loss}, not finite"), may_roll_back=False)
+            if cfg.hellaswag_interval:
+                self.score_hellaswag(self.final_step)
             if cfg.sample_interval >= 0:
                 self.sample(self.final_step)
             self.save_now(self.final_step, {"loss": self.last.get("loss"), "val_loss": self.val_loss,

@@ -1,0 +1,208 @@
+"""HellaSwag, scored as build-nanogpt scores it.
+
+Each item is a context and four endings, one of them right (``label``). Every ending is appended to the context
+(``ctx`` tokens, then the tokens of ``" " + ending``) and the model's loss of the ending's tokens is summed and
+averaged. The prediction is the ending with the lowest summed loss (``acc``) and with the lowest *average* loss
+(``acc_norm``, length-normalised: the number build-nanogpt reports, 29.55% for OpenAI's gpt2 124M). Items come
+from the official ``rowanz/hellaswag`` jsonl files (fields ``ctx``, ``endings``, ``label``, ``ind``, ...).
+
+Scoring is batched and jitted: items are grouped ``batch_size`` at a time (4 rows each), padded to a length
+bucket (a multiple of :data:`BUCKET` tokens, at most the model's block size) and to a fixed number of rows, so
+the scorer compiles once per bucket, a handful of times in all; the loss is computed per token from the hidden
+states in chunks (``ops.token_cross_entropy``), never as a whole (rows, length, vocabulary) logits array. An item
+longer than the block size loses the start of its context (it is counted in ``truncated``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxtyping import Int32
+
+from jaxgpt.eval.common import EvalError
+
+URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
+BUCKET = 32  # padded lengths are multiples of this
+N_ENDINGS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    ctx: str
+    endings: tuple[str, ...]
+    label: int
+    ind: int | None = None
+
+
+def parse(lines: Iterable[str], *, source: str = "<items>", limit: int | None = None) -> list[Item]:
+    """HellaSwag items from jsonl lines (blank lines skipped); a malformed line is an :class:`EvalError` naming
+    the line and the field."""
+    items: list[Item] = []
+    for n, line in enumerate(lines, start=1):
+        if limit is not None and len(items) >= limit:
+            break
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{source}:{n}: not JSON ({e.msg}); expected one HellaSwag item per line") from None
+        ctx, endings, label = d.get("ctx") if isinstance(d, dict) else None, None, None
+        if isinstance(d, dict):
+            endings, label = d.get("endings"), d.get("label")
+        if not isinstance(ctx, str) or not ctx:
+            raise EvalError(f"{source}:{n}: 'ctx' must be a non-empty string (is this a HellaSwag jsonl file?)")
+        if not (isinstance(endings, list) and len(endings) == N_ENDINGS and all(isinstance(e, str) for e in endings)):
+            raise EvalError(f"{source}:{n}: 'endings' must be a list of {N_ENDINGS} strings")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
+            raise EvalError(f"{source}:{n}: 'label' must be an integer in [0, {N_ENDINGS}) (the test split has no "
+                            "labels: use the val split)")
+        items.append(Item(ctx, tuple(endings), label, d.get("ind")))
+    return items
+
+
+def load(path: str | Path, *, limit: int | None = None) -> list[Item]:
+    path = Path(path)
+    if not path.is_file():
+        raise EvalError(f"HellaSwag file {str(path)!r} does not exist; download {URL.format(split='val')}")
+    with open(path, encoding="utf-8") as f:
+        items = parse(f, source=str(path), limit=limit)
+    if not items:
+        raise EvalError(f"{path}: no HellaSwag items")
+    return items
+
+
+def find_or_download(data: str | Path | None, *, split: str = "val", cache_dir: Path | None = None,
+                     fetch: Callable[[str, float], bytes] | None = None) -> Path:
+    """``data`` itself; else the cached ``hellaswag_<split>.jsonl``; else download it into the cache where a
+    network is reachable. Offline with no file: an :class:`EvalError` naming the fix."""
+    from jaxgpt import data as data_lib
+
+    if data is not None:
+        return Path(data)
+    cache = Path(cache_dir) if cache_dir is not None else data_lib.default_cache_dir()
+    path = cache / f"hellaswag_{split}.jsonl"
+    if path.is_file():
+        return path
+    url = URL.format(split=split)
+    try:
+        body = (fetch or data_lib.fetch_url)(url, 30.0)
+    except (OSError, ValueError) as e:
+        raise EvalError(f"no HellaSwag file given and {url} could not be downloaded ({e}); download it elsewhere "
+                        f"and pass --data PATH/hellaswag_{split}.jsonl (or put it at {path})") from None
+    parse(body.decode("utf-8").splitlines(), source=url, limit=3)  # a page that is not the dataset: refuse it
+    data_lib.atomic_write_bytes(path, body)
+    return path
+
+
+def render(item: Item, encode: Callable[[str], list[int]], block_size: int) -> tuple[list[list[int]], int, bool]:
+    """The four rows (context + ending tokens), the context length, and whether the context was cut from the left
+    to fit ``block_size``; build-nanogpt's ``render_example``."""
+    ctx = encode(item.ctx)
+    ends = [encode(" " + e) for e in item.endings]
+    longest = len(ctx) + max(len(e) for e in ends)
+    cut = max(0, longest - block_size)
+    if cut >= len(ctx):
+        raise EvalError(f"HellaSwag item {item.ind}: an ending alone is longer than the block size {block_size}")
+    ctx = ctx[cut:]
+    return [ctx + e for e in ends], len(ctx), cut > 0
+
+
+def pad(rows: Sequence[list[int]], ctx_lens: Sequence[int], length: int, n_rows: int
+        ) -> tuple[Int32[np.ndarray, "rows length"], Int32[np.ndarray, "rows length"]]:
+    """Token rows padded to ``length`` x ``n_rows`` (zeros), and a mask of 1 on each row's ending tokens."""
+    tokens = np.zeros((n_rows, length), np.int32)
+    mask = np.zeros((n_rows, length), np.int32)
+    for r, (row, c) in enumerate(zip(rows, ctx_lens)):
+        tokens[r, : len(row)] = row
+        mask[r, c : len(row)] = 1
+    return tokens, mask
+
+
+def bucket(n: int, block_size: int) -> int:
+    return min(block_size, BUCKET * math.ceil(n / BUCKET))
+
+
+class Scorer:
+    """Scores items with a jaxgpt model; build it once and call :meth:`score` or :meth:`evaluate` as often as
+    needed (compiled functions are reused as long as the model's structure and the buckets are the same)."""
+
+    def __init__(self, model: Any, *, batch_size: int = 8):
+        import jax
+        from flax import nnx
+
+        if batch_size < 1:
+            raise EvalError(f"batch_size = {batch_size}: must be >= 1")
+        self.batch_size, self.config = batch_size, model.config
+        self.graphdef, self.state = nnx.split(model)
+
+        def ending_losses(state, tokens, mask):
+            m = nnx.merge(self.graphdef, state)
+            losses, _ = m.token_losses(tokens[:, :-1], tokens[:, 1:])
+            weight = mask[:, 1:].astype(losses.dtype)
+            return (losses * weight).sum(axis=1), weight.sum(axis=1)
+
+        self._fn = jax.jit(ending_losses)
+
+    def score(self, items: Sequence[Item], *, state: Any = None, progress: bool = False) -> list[dict[str, Any]]:
+        """Per item: the four endings' summed and mean losses, the predictions and whether they are right."""
+        from tqdm.auto import tqdm
+
+        from jaxgpt import tokenizer
+
+        state = self.state if state is None else state
+        out: list[dict[str, Any]] = []
+        bar = tqdm(total=len(items), unit="item", desc="hellaswag", disable=not progress)
+        for start in range(0, len(items), self.batch_size):
+            batch = items[start : start + self.batch_size]
+            rendered = [render(it, tokenizer.encode, self.config.block_size) for it in batch]
+            rows = [r for rows, _, _ in rendered for r in rows]
+            ctx_lens = [c for _, c, _ in rendered for _ in range(N_ENDINGS)]
+            length = bucket(max(map(len, rows)), self.config.block_size)
+            tokens, mask = pad(rows, ctx_lens, length, N_ENDINGS * self.batch_size)
+            sums, counts = (np.asarray(a) for a in self._fn(state, tokens, mask))
+            for i, (item, (_, _, truncated)) in enumerate(zip(batch, rendered)):
+                s, n = sums[4 * i : 4 * i + 4].astype(float), counts[4 * i : 4 * i + 4].astype(float)
+                mean = s / n
+                pred, pred_norm = int(np.argmin(s)), int(np.argmin(mean))
+                out.append({"ind": item.ind, "label": item.label, "pred": pred, "pred_norm": pred_norm,
+                            "correct": pred == item.label, "correct_norm": pred_norm == item.label,
+                            "sum_losses": s.tolist(), "mean_losses": mean.tolist(),
+                            "n_tokens": [int(x) for x in n], "truncated": truncated})
+            bar.update(len(batch))
+        bar.close()
+        return out
+
+    def evaluate(self, items: Sequence[Item], *, params: Any = None, progress: bool = False) -> dict[str, Any]:
+        """``acc``, ``acc_norm``, ``n`` and the time taken; ``params`` (an ``nnx.Param`` state of the same model,
+        e.g. a training run's current params) replaces the model's own."""
+        state = None if params is None else _with_params(self.graphdef, self.state, params)
+        t0 = time.perf_counter()
+        results = self.score(items, state=state, progress=progress)
+        return summarize(results, seconds=time.perf_counter() - t0)
+
+
+def _with_params(graphdef: Any, state: Any, params: Any) -> Any:
+    """The model's state with its ``nnx.Param`` leaves replaced by ``params``."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, state)
+    nnx.update(model, params)
+    return nnx.state(model)
+
+
+def summarize(results: Sequence[dict[str, Any]], *, seconds: float | None = None) -> dict[str, Any]:
+    n = len(results)
+    out = {"n": n, "acc": sum(r["correct"] for r in results) / n if n else float("nan"),
+           "acc_norm": sum(r["correct_norm"] for r in results) / n if n else float("nan"),
+           "truncated": sum(r["truncated"] for r in results)}
+    if seconds is not None:
+        out.update(seconds=seconds, items_per_s=n / seconds if seconds > 0 else None)
+    return out

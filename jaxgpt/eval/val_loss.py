@@ -1,0 +1,68 @@
+"""The loss of a model on prepared shards: mean next-token loss (nats), perplexity and bits per byte.
+
+One pass over the split in sequential windows of ``batch_size x seq_len`` tokens (``jaxgpt.data.DataLoader``;
+the tail that does not fill a window is left out). Bits per byte divide the summed loss, in bits, by the UTF-8
+bytes of the predicted tokens' text: each token's byte length comes from the tokenizer's own bytes for it, and
+the ``<|endoftext|>`` separators count 0 bytes (they are not text), so the figure compares across tokenizers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt.eval.common import EvalError
+
+
+@functools.lru_cache(maxsize=1)
+def byte_lengths() -> np.ndarray:
+    """UTF-8 bytes of each GPT-2 token's text (``<|endoftext|>``: 0)."""
+    from jaxgpt import tokenizer
+
+    enc = tokenizer.get_encoding()
+    lens = np.array([len(enc.decode_single_token_bytes(i)) for i in range(tokenizer.EOT_TOKEN)] + [0], np.int64)
+    assert len(lens) == tokenizer.VOCAB_SIZE
+    return lens
+
+
+def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: int = 8, seq_len: int | None = None,
+             limit: int | None = None, progress: bool = False) -> dict[str, Any]:
+    """``loss``, ``perplexity``, ``bits_per_byte``, ``tokens``, ``bytes``, ``batches`` of ``model`` on ``data``."""
+    import jax
+    from flax import nnx
+    from tqdm.auto import tqdm
+
+    from jaxgpt.data import DataLoader
+
+    seq_len = seq_len or model.config.block_size
+    if seq_len > model.config.block_size:
+        raise EvalError(f"seq_len = {seq_len}: must be <= the model's block_size ({model.config.block_size})")
+    loader = DataLoader(data, split, batch_size, seq_len, mode="sequential")
+    n = loader.batches_per_epoch if limit is None else min(limit, loader.batches_per_epoch)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def loss_sum(state, x, y):
+        losses, _ = nnx.merge(graphdef, state).token_losses(x, y)
+        return losses.sum()
+
+    lens = byte_lengths()
+    total, tokens, nbytes = 0.0, 0, 0
+    t0 = time.perf_counter()
+    for _ in tqdm(range(n), unit="batch", desc=f"{split} loss", disable=not progress):
+        x, y = loader.next_batch()
+        bad = loader.token_error(x, y, model.config.vocab_size)
+        if bad is not None:
+            raise EvalError(str(bad))
+        total += float(loss_sum(state, x, y))
+        tokens += y.size
+        nbytes += int(lens[np.minimum(y, len(lens) - 1)].sum())
+    loss = total / tokens
+    return {"split": split, "loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / nbytes,
+            "tokens": tokens, "bytes": nbytes, "batches": n, "batch_size": batch_size, "seq_len": seq_len,
+            "seconds": time.perf_counter() - t0}

@@ -1,0 +1,176 @@
+"""jaxgpt.eval: HellaSwag items and scoring mechanics, val-loss and bits per byte, the command line, the training
+hook, and the complete Hugging Face export (tokenizer files). The scores themselves are checked against torch_ref
+and transformers in parity_tests/test_eval_parity.py and test_lm_eval_parity.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgpt.config import GPTConfig
+from jaxgpt.eval import EvalError, cli, hellaswag, val_loss
+from jaxgpt.model import GPT
+from jaxgpt.tokenizer import EOT_TOKEN, encode
+
+REPO = Path(__file__).resolve().parent.parent
+ITEM = {"ind": 7, "ctx": "A man is sitting on a roof. He", "label": 2, "split": "val",
+        "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                    "starts pulling up roofing on a roof.", "is holding a rubik's cube."]}
+
+
+def write_items(path: Path, n: int = 6) -> Path:
+    rows = []
+    for i in range(n):
+        rows.append({**ITEM, "ind": i, "ctx": ITEM["ctx"] + " and then" * i, "label": i % 4})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    return GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("line, match", [
+    ("{not json", "not JSON"), (json.dumps({**ITEM, "ctx": ""}), "'ctx' must be a non-empty string"),
+    (json.dumps({**ITEM, "endings": ["a", "b"]}), "'endings' must be a list of 4 strings"),
+    (json.dumps({**ITEM, "label": 4}), r"'label' must be an integer in \[0, 4\)"),
+    (json.dumps({**ITEM, "label": ""}), r"'label' .*\(the test split has no labels")])
+def test_malformed_items_name_the_line(line, match):
+    with pytest.raises(EvalError, match=f"items.jsonl:2: {match}"):
+        hellaswag.parse([json.dumps(ITEM), line], source="items.jsonl")
+
+
+def test_find_or_download(tmp_path):
+    def offline(url, timeout):
+        raise OSError("network unreachable")
+
+    with pytest.raises(EvalError, match=r"could not be downloaded \(network unreachable\).*pass --data"):
+        hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=offline)
+    with pytest.raises(EvalError, match="not JSON"):  # a captive portal's page is not the dataset
+        hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: b"<html>login</html>\n")
+    body = (json.dumps(ITEM) + "\n").encode()
+    path = hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: body)
+    assert path == tmp_path / "hellaswag_val.jsonl" and path.read_bytes() == body
+    assert hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=offline) == path  # cached: no network
+    assert hellaswag.find_or_download(tmp_path / "x.jsonl") == tmp_path / "x.jsonl"
+    with pytest.raises(EvalError, match="does not exist"):
+        hellaswag.load(tmp_path / "x.jsonl")
+
+
+def test_render_pad_and_truncation():
+    item = hellaswag.parse([json.dumps(ITEM)])[0]
+    rows, ctx_len, cut = hellaswag.render(item, encode, 1024)
+    assert not cut and ctx_len == len(encode(ITEM["ctx"]))
+    assert rows[2] == encode(ITEM["ctx"]) + encode(" " + ITEM["endings"][2])  # build-nanogpt's " " + ending
+    tokens, mask = hellaswag.pad(rows, [ctx_len] * 4, 32, 6)
+    assert tokens.shape == mask.shape == (6, 32) and mask[4:].sum() == 0
+    assert [int(m.sum()) for m in mask[:4]] == [len(encode(" " + e)) for e in ITEM["endings"]]
+    rows, ctx_len, cut = hellaswag.render(item, encode, 12)
+    assert cut and max(map(len, rows)) == 12 and ctx_len == 12 - max(len(encode(" " + e)) for e in ITEM["endings"])
+    assert hellaswag.bucket(33, 1024) == 64 and hellaswag.bucket(33, 40) == 40
+
+
+def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path):
+    items = hellaswag.load(write_items(tmp_path / "items.jsonl", 6))
+    one = hellaswag.Scorer(model, batch_size=1).score(items)
+    four = hellaswag.Scorer(model, batch_size=4)
+    again = four.score(items)  # batches of 4 and 2 (+ 2 padding items)
+    for a, b in zip(one, again):
+        np.testing.assert_allclose(a["sum_losses"], b["sum_losses"], rtol=1e-5)
+        assert (a["pred"], a["pred_norm"]) == (b["pred"], b["pred_norm"])
+    assert four._fn._cache_size() == 1  # all of these fit one 32-token bucket
+    s = four.evaluate(items, params=nnx.state(model, nnx.Param))
+    assert s["n"] == 6 and s["acc"] == sum(r["correct"] for r in one) / 6 and four._fn._cache_size() == 1
+    other = nnx.state(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(1)), nnx.Param)
+    assert four.evaluate(items, params=other)["items_per_s"] > 0 and four._fn._cache_size() == 1
+
+
+def test_val_loss_and_bits_per_byte(model):
+    lens = val_loss.byte_lengths()
+    assert lens[EOT_TOKEN] == 0 and lens[encode("Hello")[0]] == 5 and lens[encode(" é")[0]] == len(" é".encode())
+    r = val_loss.evaluate(model, REPO / "data_cache" / "shakespeare", batch_size=2, seq_len=32, limit=3)
+    assert r["tokens"] == 3 * 2 * 32 and 0 < r["bytes"] <= 3 * 2 * 32 * 16
+    assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] * r["tokens"] / math.log(2) / r["bytes"])
+    assert 10.0 < r["loss"] < 11.5  # a random model: about ln(50257) = 10.8
+    with pytest.raises(EvalError, match="seq_len = 65: must be <= the model's block_size"):
+        val_loss.evaluate(model, REPO / "data_cache" / "shakespeare", seq_len=65)
+
+
+def test_command_line(tmp_path, capsys):
+    data = write_items(tmp_path / "items.jsonl", 5)
+    argv = ["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(data), "--limit", "3",
+            "--out", str(tmp_path / "r.jsonl"), "--json", str(tmp_path / "s.json"), "--no-progress"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("hellaswag: acc_norm ") and "on 3 items" in out[0]
+    summary = json.loads(out[1])
+    assert summary == json.loads((tmp_path / "s.json").read_text()) and summary["n"] == 3
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["ind"] for r in rows] == [0, 1, 2] and all(len(r["sum_losses"]) == 4 for r in rows)
+
+    assert cli.main(["--task", "val-loss", "--init-from", "random:tiny", "--data",
+                     str(REPO / "data_cache" / "shakespeare"), "--limit", "2", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("val loss ")
+    for bad, match in ((["--task", "val-loss", "--init-from", "random:tiny"], "needs --data DIR"),
+                       (["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(tmp_path / "no")],
+                        "does not exist"),
+                       (["--task", "hellaswag", "--init-from", "random:nope", "--data", str(data)], "unknown preset")):
+        assert cli.main(bad) == 2
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err
+
+
+def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys):
+    from jaxgpt.train import main, read_metrics
+
+    data = write_items(tmp_path / "items.jsonl", 4)
+    base = ["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={REPO / 'data_cache' / 'shakespeare'}",
+            "--max_steps=4", "--eval_interval=0", "--checkpoint_interval=0"]
+    assert main([*base, f"--out_dir={tmp_path / 'run'}", "--hellaswag_interval=2", f"--hellaswag_file={data}"]) == 0
+    hs = [r for r in read_metrics(tmp_path / "run") if r["type"] == "hellaswag"]
+    assert [r["step"] for r in hs] == [2, 4] and all(r["n"] == 4 and 0 <= r["acc_norm"] <= 1 for r in hs)
+    assert "HellaSwag acc_norm" in capsys.readouterr().out
+    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+    assert main([*base, f"--out_dir={tmp_path / 'run2'}", "--hellaswag_interval=2",
+                 f"--hellaswag_file={tmp_path / 'missing.jsonl'}"]) == 2
+    err = capsys.readouterr().err
+    assert "hellaswag_interval = 2: HellaSwag file" in err and "does not exist" in err
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists()
+
+
+# ---- the complete Hugging Face export --------------------------------------------------------------------------
+TEXTS = ["Hello, I'm a language model,", "  two  spaces and\ttabs\n\nnew lines", "naïve café — 東京 🤖",
+         "end<|endoftext|>next", "", "'''quotes''' and 1234567 digits"]
+
+
+def test_the_exported_tokenizer_gives_our_ids(model, tmp_path, monkeypatch):
+    import warnings
+
+    from transformers import AutoTokenizer, GPT2LMHeadModel, pipeline
+
+    from jaxgpt.weights import save_hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = save_hf(model, tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        assert tok(text)["input_ids"] == encode(text, allow_eot=True), text  # HF reads <|endoftext|> as special
+        assert tok.decode(encode(text)) == text
+    assert tok.eos_token_id == tok.bos_token_id == EOT_TOKEN
+    gen = pipeline("text-generation", model=str(out), tokenizer=str(out), device="cpu")
+    text = gen("Hello, I'm", max_new_tokens=3, do_sample=False)[0]["generated_text"]
+    assert text.startswith("Hello, I'm") and len(text) > len("Hello, I'm")
+
+    small = GPT(GPTConfig.preset("tiny", vocab_size=512), rngs=nnx.Rngs(0))  # no room for <|endoftext|>
+    config = json.loads((save_hf(small, tmp_path / "small") / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers warned about ids outside the vocabulary
+        GPT2LMHeadModel.from_pretrained(tmp_path / "small")
