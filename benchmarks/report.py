@@ -325,6 +325,10 @@ def write(path: Path | None = None) -> Path:
                           f"{e['loadavg_end'][0]:.2f})" for e in gen.get("extra_runs", [])), ""]
     if data:
         out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
+    for name, title in (("eval_speed", "Evaluation: HellaSwag scoring"), ("checkpoint_io", "Checkpoint digests")):
+        md = common.RESULTS / f"{name}.md"
+        if md.exists():  # their own tables, machine and command included (benchmarks/eval_speed.py, checkpoint_io.py)
+            out += [f"## {title}", "", md.read_text().rstrip(), ""]
     dirty = sorted({f for r in [*train.values(), gen] if r for f in r.get("uncommitted_library_files", [])})
     if dirty:
         out += ["## Provenance", "", "These library files were uncommitted (being edited) while some of the results "

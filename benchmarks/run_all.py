@@ -7,9 +7,10 @@
 4. generation (gpt2 124M, 1 and 8 prompts, 128 new tokens) and the data loader;
 5. the GEMM ceiling (``benchmarks.gemm_ceiling``: a C AVX2 microkernel against the libraries' matmuls);
 6. a profile of jaxgpt's default small step (``benchmarks.profile_step``: where the time goes);
-7. ``benchmarks.report`` writes BENCHMARKS.md.
+7. HellaSwag scoring speed (``benchmarks.eval_speed``) and the cost of checkpoint digests (``benchmarks.checkpoint_io``);
+8. ``benchmarks.report`` writes BENCHMARKS.md.
 
-``--only small,gpt2,gpt2-t256,alloc,generate,data,profile,ceiling`` runs a subset (the report uses the latest of each).
+``--only small,gpt2,gpt2-t256,alloc,generate,data,profile,ceiling,eval,checkpoint`` runs a subset (the report uses the latest of each).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import subprocess
 import sys
 import time
 
-from benchmarks import common, data_loader, gemm_ceiling, generate, report, train_step
+from benchmarks import checkpoint_io, common, data_loader, eval_speed, gemm_ceiling, generate, report, train_step
 
-PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data", "profile", "ceiling"]
+PARTS = ["small", "gpt2", "gpt2-t256", "alloc", "generate", "data", "profile", "ceiling", "eval", "checkpoint"]
 
 
 def wait_quiet(threshold: float, max_s: float) -> None:
@@ -114,6 +115,16 @@ def main(argv=None) -> int:
             gemm_ceiling.save(res)
             log(gemm_ceiling.markdown(res))
             ok &= not any("error" in lib for lib in res.get("libraries", {}).values())
+    if "eval" in parts:
+        log(f"== HellaSwag scoring speed, load {common.loadavg()}")
+        res = eval_speed.measure("tiny" if dry else "gpt2", 8 if dry else 64, 1 if dry else 3)
+        common.save_result("eval_speed", res, eval_speed.markdown(res))
+        log(eval_speed.markdown(res))
+    if "checkpoint" in parts:
+        log(f"== checkpoint digests, load {common.loadavg()}")
+        res = checkpoint_io.measure("tiny" if dry else "gpt2", 1 if dry else 3)
+        common.save_result("checkpoint_io", res, checkpoint_io.markdown(res))
+        log(checkpoint_io.markdown(res))
     if "profile" in parts and not dry:
         log(f"== profile of the default small step, load {common.loadavg()}")
         proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_step", "--config", "small"], cwd=common.ROOT,

@@ -73,7 +73,7 @@ def test_render_pad_and_truncation():
     assert [int(m.sum()) for m in mask[:4]] == [len(encode(" " + e)) for e in ITEM["endings"]]
     rows, ctx_len, cut = hellaswag.render(item, encode, 12)
     assert cut and max(map(len, rows)) == 12 and ctx_len == 12 - max(len(encode(" " + e)) for e in ITEM["endings"])
-    assert hellaswag.bucket(33, 1024) == 64 and hellaswag.bucket(33, 40) == 40
+    assert hellaswag.bucket(33, 32, 1024) == 64 and hellaswag.bucket(33, 32, 40) == 40 and hellaswag.bucket(5, 16, 64) == 16
 
 
 def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path):
@@ -84,7 +84,7 @@ def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path
     for a, b in zip(one, again):
         np.testing.assert_allclose(a["sum_losses"], b["sum_losses"], rtol=1e-5)
         assert (a["pred"], a["pred_norm"]) == (b["pred"], b["pred_norm"])
-    assert four._fn._cache_size() == 1  # all of these fit one 32-token bucket
+    assert four._fn._cache_size() == 1  # all of these fit one (32-token context, 16-token ending) bucket pair
     s = four.evaluate(items, params=nnx.state(model, nnx.Param))
     assert s["n"] == 6 and s["acc"] == sum(r["correct"] for r in one) / 6 and four._fn._cache_size() == 1
     other = nnx.state(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(1)), nnx.Param)

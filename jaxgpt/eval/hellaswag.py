@@ -6,16 +6,20 @@ averaged. The prediction is the ending with the lowest summed loss (``acc``) and
 (``acc_norm``, length-normalised: the number build-nanogpt reports, 29.55% for OpenAI's gpt2 124M). Items come
 from the official ``rowanz/hellaswag`` jsonl files (fields ``ctx``, ``endings``, ``label``, ``ind``, ...).
 
-Scoring is batched and jitted: items are grouped ``batch_size`` at a time (4 rows each), padded to a length
-bucket (a multiple of :data:`BUCKET` tokens, at most the model's block size) and to a fixed number of rows, so
-the scorer compiles once per bucket, a handful of times in all; the loss is computed per token from the hidden
-states in chunks (``ops.token_cross_entropy``), never as a whole (rows, length, vocabulary) logits array. An item
-longer than the block size loses the start of its context (it is counted in ``truncated``).
+Scoring is batched and jitted, and the four endings share their context: ``batch_size`` items at a time, the
+contexts run once (padded to a multiple of :data:`CTX_BUCKET` tokens) filling a KV cache, then each item's four
+endings (padded to a multiple of :data:`END_BUCKET`) run against a copy of its context's cache from the
+context's true length on (the padding past it is overwritten by the endings' own keys, or masked as the future),
+and the lm_head runs only where an ending token is predicted. That is about half the work of scoring four full
+rows, and the same numbers (parity_tests/test_eval_parity.py: torch_ref and transformers score full rows). The
+scorer compiles once per (context, ending) bucket pair, a handful of times in all. An item longer than the block
+size loses the start of its context (it is counted in ``truncated``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -29,7 +33,7 @@ from jaxtyping import Int32
 from jaxgpt.eval.common import EvalError
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
-BUCKET = 32  # padded lengths are multiples of this
+CTX_BUCKET, END_BUCKET = 32, 16  # padded context / ending lengths are multiples of these
 N_ENDINGS = 4
 
 
@@ -126,8 +130,27 @@ def pad(rows: Sequence[list[int]], ctx_lens: Sequence[int], length: int, n_rows:
     return tokens, mask
 
 
-def bucket(n: int, block_size: int) -> int:
-    return min(block_size, BUCKET * math.ceil(n / BUCKET))
+def bucket(n: int, step: int, limit: int) -> int:
+    return min(limit, step * math.ceil(n / step))
+
+
+def pack(rendered: Sequence[tuple[list[list[int]], int, bool]], n_items: int, block_size: int
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Contexts ``(items, Lc)``, their lengths, endings ``(items, 4, Le)`` and their lengths, zero-padded to the
+    buckets (and to ``n_items`` items: padding items have one-token contexts and empty endings)."""
+    ctxs = [rows[0][:c] for rows, c, _ in rendered]
+    ends = [[r[c:] for r in rows] for rows, c, _ in rendered]
+    lc = bucket(max(map(len, ctxs)), CTX_BUCKET, block_size)
+    le = bucket(max(len(e) for es in ends for e in es), END_BUCKET, block_size)
+    ctx = np.zeros((n_items, lc), np.int32)
+    ctx_len = np.ones((n_items,), np.int32)
+    end = np.zeros((n_items, N_ENDINGS, le), np.int32)
+    end_len = np.zeros((n_items, N_ENDINGS), np.int32)
+    for i, (c, es) in enumerate(zip(ctxs, ends)):
+        ctx[i, : len(c)], ctx_len[i] = c, len(c)
+        for k, e in enumerate(es):
+            end[i, k, : len(e)], end_len[i, k] = e, len(e)
+    return ctx, ctx_len, end, end_len
 
 
 class Scorer:
@@ -142,14 +165,7 @@ class Scorer:
             raise EvalError(f"batch_size = {batch_size}: must be >= 1")
         self.batch_size, self.config = batch_size, model.config
         self.graphdef, self.state = nnx.split(model)
-
-        def ending_losses(state, tokens, mask):
-            m = nnx.merge(self.graphdef, state)
-            losses, _ = m.token_losses(tokens[:, :-1], tokens[:, 1:])
-            weight = mask[:, 1:].astype(losses.dtype)
-            return (losses * weight).sum(axis=1), weight.sum(axis=1)
-
-        self._fn = jax.jit(ending_losses)
+        self._fn = jax.jit(functools.partial(_ending_losses, self.graphdef))
 
     def score(self, items: Sequence[Item], *, state: Any = None, progress: bool = False) -> list[dict[str, Any]]:
         """Per item: the four endings' summed and mean losses, the predictions and whether they are right."""
@@ -163,13 +179,10 @@ class Scorer:
         for start in range(0, len(items), self.batch_size):
             batch = items[start : start + self.batch_size]
             rendered = [render(it, tokenizer.encode, self.config.block_size) for it in batch]
-            rows = [r for rows, _, _ in rendered for r in rows]
-            ctx_lens = [c for _, c, _ in rendered for _ in range(N_ENDINGS)]
-            length = bucket(max(map(len, rows)), self.config.block_size)
-            tokens, mask = pad(rows, ctx_lens, length, N_ENDINGS * self.batch_size)
-            sums, counts = (np.asarray(a) for a in self._fn(state, tokens, mask))
+            sums, counts = (np.asarray(a) for a in self._fn(state, *pack(rendered, self.batch_size,
+                                                                           self.config.block_size)))
             for i, (item, (_, _, truncated)) in enumerate(zip(batch, rendered)):
-                s, n = sums[4 * i : 4 * i + 4].astype(float), counts[4 * i : 4 * i + 4].astype(float)
+                s, n = sums[i].astype(float), counts[i].astype(float)
                 mean = s / n
                 pred, pred_norm = int(np.argmin(s)), int(np.argmin(mean))
                 out.append({"ind": item.ind, "label": item.label, "pred": pred, "pred_norm": pred_norm,
@@ -187,6 +200,35 @@ class Scorer:
         t0 = time.perf_counter()
         results = self.score(items, state=state, progress=progress)
         return summarize(results, seconds=time.perf_counter() - t0)
+
+
+def _ending_losses(graphdef, state, ctx, ctx_len, end, end_len):
+    """Summed loss and token count of each item's four endings, ``(items, 4)`` each (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxgpt import ops
+    from jaxgpt.model import KVCache
+
+    model = nnx.merge(graphdef, state)
+    n, le = end.shape[0], end.shape[2]
+    cache = model.init_cache(n, ctx.shape[1] + le)
+    h_ctx, cache = model.hidden(ctx, cache=cache, pos=0)
+    last = jnp.take_along_axis(h_ctx, (ctx_len - 1)[:, None, None], axis=1)  # predicts each ending's first token
+
+    def endings(k, v, tokens, pos):  # one item: its context's cache, four rows from its true length on
+        copies = KVCache(*(jnp.broadcast_to(a[:, None], (a.shape[0], N_ENDINGS, *a.shape[1:])) for a in (k, v)))
+        return model.hidden(tokens, cache=copies, pos=pos)[0]
+
+    h_end = jax.vmap(endings)(cache.k.swapaxes(0, 1), cache.v.swapaxes(0, 1), end, ctx_len)  # (n, 4, le, C)
+    h = jnp.concatenate([jnp.broadcast_to(last[:, None], (n, N_ENDINGS, 1, last.shape[-1])), h_end[:, :, :-1]], 2)
+    losses, _ = ops.token_cross_entropy(h.reshape(n * N_ENDINGS, le, -1), model.wte.embedding[...],
+                                        end.reshape(n * N_ENDINGS, le), vocab_size=model.config.vocab_size,
+                                        dtype=model.policy.dtype, precision=model.policy.lax_precision)
+    valid = jnp.arange(le) < end_len[..., None]  # (n, 4, le)
+    losses = jnp.where(valid, losses.reshape(n, N_ENDINGS, le), 0.0)  # padding may be NaN past the block size
+    return losses.sum(axis=-1), valid.sum(axis=-1)
 
 
 def _with_params(graphdef: Any, state: Any, params: Any) -> Any:
