@@ -117,7 +117,7 @@ def attention(
         return ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)
     y = jax.nn.dot_product_attention(policy.cast(q), policy.cast(k), policy.cast(v), mask=mask,
                                      is_causal=mask is None, implementation=impl)
-    return y.astype(jnp.float32)
+    return y.astype(policy.accum_dtype)
 
 
 def reference_attention(q, k, v, *, policy: Policy, mask=None, dropout_rate=0.0, dropout_key=None):
@@ -147,16 +147,16 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias)."""
 
-    def __init__(self, dim: int, *, bias: bool, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32)) if bias else None
+    def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype)) if bias else None
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
         # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
         # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
-        x = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+        x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
         mean = x.mean(axis=-1, keepdims=True)
         var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
         y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
@@ -168,8 +168,9 @@ class Linear(nnx.Module):
     """y = x @ kernel + bias, with ``kernel`` stored (in, out) like Hugging Face's Conv1D."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, policy: Policy, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32)) if bias else None
+        pdt = jnp.dtype(policy.param_dtype)  # float32 (float64 only under Policy.fp64, the parity tests' truth)
+        self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), pdt))
+        self.bias = nnx.Param(jnp.zeros((d_out,), pdt)) if bias else None
         self.policy = policy
 
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
@@ -234,9 +235,9 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
         eps = config.layer_norm_epsilon
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype)
         self.attn = CausalSelfAttention(config, policy=policy, rngs=rngs)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype)
         self.mlp = MLP(config, policy=policy, rngs=rngs)
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
@@ -252,13 +253,16 @@ class GPT(nnx.Module):
         policy = policy or Policy()
         self.config = config
         self.policy = policy
-        wte = INIT_STD * jax.random.normal(rngs.params(), (config.vocab_rows, config.n_embd), jnp.float32)
+        pdt = jnp.dtype(policy.param_dtype)
+        wte = INIT_STD * jax.random.normal(rngs.params(), (config.vocab_rows, config.n_embd), pdt)
         wte = wte.at[config.vocab_size:].set(0.0)  # padded rows: never a target, never sampled
-        self.wte = nnx.Embed(config.vocab_rows, config.n_embd, embedding_init=lambda *_: wte, rngs=rngs)
-        self.wpe = nnx.Embed(config.block_size, config.n_embd,
-                             embedding_init=nnx.initializers.normal(INIT_STD), rngs=rngs)
+        self.wte = nnx.Embed(config.vocab_rows, config.n_embd, embedding_init=lambda *_: wte, param_dtype=pdt,
+                             rngs=rngs)
+        self.wpe = nnx.Embed(config.block_size, config.n_embd, embedding_init=nnx.initializers.normal(INIT_STD),
+                             param_dtype=pdt, rngs=rngs)
         self.h = nnx.List([Block(config, policy=policy, rngs=rngs) for _ in range(config.n_layer)])
-        self.ln_f = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon)
+        self.ln_f = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon,
+                              param_dtype=policy.param_dtype)
 
     # ---- the forward pass, in pieces --------------------------------------------------------------------
     def hidden(
@@ -328,7 +332,7 @@ class GPT(nnx.Module):
 
 def cross_entropy(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]) -> Float[Array, ""]:
     """Mean of -log softmax(logits)[target], computed in fp32."""
-    logits = logits.astype(jnp.float32)
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # fp32 (fp64 stays)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(lse - target_logit)

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
-DType = Literal["float32", "bfloat16"]
+DType = Literal["float32", "bfloat16", "float64"]
 Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
 
 
@@ -42,9 +42,13 @@ class Policy:
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
 
     def __post_init__(self) -> None:
-        if self.param_dtype != "float32":
-            raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32; "
-                              "use compute_dtype='bfloat16' for bf16 compute")
+        if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
+            raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32 (float64 "
+                              "only for the float64 reference policy, Policy.fp64()); use compute_dtype='bfloat16' "
+                              "for bf16 compute")
+        if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
+            raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
+                              "params, fast_kernels=False)")
 
     # ---- named policies -----------------------------------------------------------------------------
     @classmethod
@@ -54,6 +58,15 @@ class Policy:
     @classmethod
     def bf16(cls, **kw) -> "Policy":
         return cls(compute_dtype="bfloat16", **kw)
+
+    @classmethod
+    def fp64(cls) -> "Policy":
+        """Everything in float64 (params, matmuls, accumulation), plain einsum kernels: the ground truth the
+        parity tests measure fp32 errors against. Needs ``jax.enable_x64(True)`` (else jax silently computes in
+        float32)."""
+        if not jax.config.jax_enable_x64:
+            raise ConfigError("Policy.fp64() needs 64-bit jax: run it inside `with jax.enable_x64(True):`")
+        return cls(compute_dtype="float64", param_dtype="float64", attention="reference", fast_kernels=False)
 
     @classmethod
     def named(cls, name: str, **kw) -> "Policy":
@@ -76,6 +89,11 @@ class Policy:
         return jnp.dtype(self.compute_dtype)
 
     @property
+    def accum_dtype(self) -> jnp.dtype:
+        """What matmuls accumulate in and return: fp32 (fp64 under :meth:`fp64`)."""
+        return jnp.dtype(jnp.float64 if self.compute_dtype == "float64" else jnp.float32)
+
+    @property
     def lax_precision(self) -> jax.lax.Precision | None:
         """None for "default", so ``jax.default_matmul_precision(...)`` (as parity tests set) still applies."""
         return {"default": None, "high": jax.lax.Precision.HIGH,
@@ -88,7 +106,7 @@ class Policy:
     def einsum(self, spec: str, a: Array, b: Array) -> Float[Array, "..."]:
         """A matmul under the policy: operands in compute dtype, fp32 accumulation, fp32 result."""
         return jnp.einsum(spec, self.cast(a), self.cast(b), precision=self.lax_precision,
-                          preferred_element_type=jnp.float32)
+                          preferred_element_type=self.accum_dtype)
 
     def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
         """``x @ w`` under the policy (what every Linear layer calls)."""

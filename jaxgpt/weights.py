@@ -227,7 +227,7 @@ def load_ref(model: GPT, ref: Mapping[str, Any], *, source: str = "state dict") 
                               f"vocab rows {model.config.vocab_rows}): missing {_abbrev(missing)}, unexpected "
                               f"{_abbrev(unexpected)}, mis-shaped {_abbrev(misshaped)}")
     for path, var in flat:
-        var.set_value(jnp.asarray(arrays[_ref_key(path)], dtype=jnp.float32))
+        var.set_value(jnp.asarray(arrays[_ref_key(path)], dtype=model.policy.param_dtype))  # fp32 (fp64: exact)
     nnx.update(model, nnx.from_flat_state(flat))
     return model
 
