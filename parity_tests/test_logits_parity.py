@@ -18,9 +18,8 @@ from conftest import CHECKPOINTS, PEAKED_WTE_SCALE, on_device, random_tokens
 from jaxgpt.model import cross_entropy
 from jaxgpt.precision import Policy
 from jaxgpt.weights import from_hf
-from tolerances import BF16_MEAN_KL, BF16_TOP1, LOGITS_FP32_GPT2, LOGITS_FP32_TINY, LOSS_FP32_REL
-
-LOGITS_FP32 = {"tiny": LOGITS_FP32_TINY, "odd": LOGITS_FP32_TINY, "gpt2": LOGITS_FP32_GPT2}
+from tolerances import (BF16_MARGIN_SIGMAS, BF16_MEAN_KL, BF16_TOP1, BF16_TOP1_DECIDED, LOSS_FP32_REL,
+                        fp32_logits_pairwise)
 BATCH = {"tiny": 2, "odd": 2, "gpt2": 2}  # fp32; bf16 uses BF16_BATCH for a finer top-1 fraction
 BF16_BATCH = 4
 
@@ -106,7 +105,8 @@ def test_fp32_logits_and_loss(name, attention, device, oracles, parity_report):
               "loss_rel_jax_plain-hf": _rel(plain_loss, o["hf_loss"])}
     parity_report(f"fp32/{name}/{device}/{attention}", **diffs, **losses, hf_loss=o["hf_loss"],
                   logits_std=float(o["hf"].std()))
-    tol = LOGITS_FP32[name]
+    tol = fp32_logits_pairwise(float(np.abs(o["hf"]).max()), model.config.n_layer)
+    parity_report(f"fp32/{name}/{device}/{attention}/bound", logits_bound=tol)
     for pair, d in diffs.items():
         assert d <= tol, f"{name} {attention}: max |logits {pair}| = {d:.3g} > {tol:g}"
     for pair, r in losses.items():
@@ -121,18 +121,30 @@ def _log_softmax64(x: np.ndarray) -> np.ndarray:
 
 
 def bf16_metrics(fp32_logits: np.ndarray, bf16_logits: np.ndarray) -> dict[str, float]:
-    """Mean per-token KL(p_fp32 || p_bf16) in nats, top-1 agreement, and the max logit difference."""
+    """Mean per-token KL(p_fp32 || p_bf16) in nats, top-1 agreement over all positions and over the positions whose
+    fp32 top-1/top-2 margin exceeds BF16_MARGIN_SIGMAS x the bf16 error scale (the RMS of bf16 - fp32 logits), and
+    the max logit difference."""
     lp, lq = _log_softmax64(fp32_logits), _log_softmax64(bf16_logits)
     kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
-    top1 = (fp32_logits.argmax(-1) == bf16_logits.argmax(-1)).mean()
-    return dict(mean_kl=float(kl.mean()), top1=float(top1), max_abs=_max_abs(fp32_logits, bf16_logits))
+    agree = fp32_logits.argmax(-1) == bf16_logits.argmax(-1)
+    top2 = np.sort(fp32_logits, axis=-1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]
+    sigma = float(np.sqrt(np.mean((bf16_logits.astype(np.float64) - fp32_logits) ** 2)))
+    decided = margin > BF16_MARGIN_SIGMAS * sigma
+    return dict(mean_kl=float(kl.mean()), top1=float(agree.mean()), max_abs=_max_abs(fp32_logits, bf16_logits),
+                bf16_error_rms=sigma, decided_positions=int(decided.sum()), positions=int(agree.size),
+                top1_decided=float(agree[decided].mean()) if decided.any() else float("nan"))
 
 
+@pytest.mark.parametrize("wte_scale", [1.0, PEAKED_WTE_SCALE], ids=["init", "peaked"])
 @pytest.mark.parametrize("name", _checkpoint_params(list(CHECKPOINTS), slow=("gpt2",)))
-def test_bf16_against_fp32(name, device, oracles, parity_report):
-    """bf16 matmul operands (fp32 accumulation, everything else fp32) must keep the next-token distribution:
-    KL to the fp32 oracle and top-1 agreement. On a checkpoint with a decided argmax: see PEAKED_WTE_SCALE."""
-    o = oracles.get(name, device, PEAKED_WTE_SCALE, batch=BF16_BATCH)
+def test_bf16_against_fp32(name, wte_scale, device, oracles, parity_report):
+    """bf16 matmul operands (fp32 accumulation, everything else fp32) must keep the next-token distribution: KL to
+    the fp32 oracle, and the argmax wherever fp32 decides it by more than bf16's rounding (top-1 agreement >=
+    BF16_TOP1_DECIDED on positions whose top-1/top-2 margin exceeds BF16_MARGIN_SIGMAS x the RMS bf16 error), on
+    the random init and on a peaked one. Over all positions the random init's near-ties (see PEAKED_WTE_SCALE)
+    make top-1 measure tie-breaking: reported, and asserted (>= BF16_TOP1) only on the peaked checkpoint."""
+    o = oracles.get(name, device, wte_scale, batch=BF16_BATCH)
     s = np.sort(o["hf"], axis=-1)
     gap = float(np.median(s[..., -1] - s[..., -2]))
 
@@ -143,8 +155,18 @@ def test_bf16_against_fp32(name, device, oracles, parity_report):
         ref_logits = o["ref_model"](torch.from_numpy(o["tokens"]).to(device))[0].float().cpu().numpy()
 
     results = {"jaxgpt": bf16_metrics(o["hf"], jax_logits), "torch_ref_autocast": bf16_metrics(o["hf"], ref_logits)}
+    tag = "bf16" if wte_scale == 1.0 else "bf16-peaked"
     for impl, m in results.items():
-        parity_report(f"bf16/{name}/{device}/{impl}", **m, fp32_median_top_gap=gap, positions=o["tokens"].size)
+        parity_report(f"{tag}/{name}/{device}/{impl}", **m, fp32_median_top_gap=gap)
     for impl, m in results.items():
         assert m["mean_kl"] <= BF16_MEAN_KL, f"{name} {impl}: mean KL {m['mean_kl']:.3g} > {BF16_MEAN_KL:g}"
-        assert m["top1"] >= BF16_TOP1, f"{name} {impl}: top-1 agreement {m['top1']:.4f} < {BF16_TOP1}"
+        assert m["decided_positions"] >= 0.25 * m["positions"], f"{name} {impl}: too few decided positions: {m}"
+        # jaxgpt's bf16 policy keeps fp32 matmul outputs; torch's bf16 GEMM rounds its outputs to bf16 too, so its
+        # error has heavier tails than its RMS suggests (measured: 2 flips among 231 decided positions of the
+        # random-init gpt2): reported for torch_ref, required of jaxgpt
+        if impl == "jaxgpt":
+            assert m["top1_decided"] >= BF16_TOP1_DECIDED, (f"{name} {impl}: top-1 agreement "
+                                                           f"{m['top1_decided']:.4f} on decided positions < "
+                                                           f"{BF16_TOP1_DECIDED}")
+        if wte_scale != 1.0:
+            assert m["top1"] >= BF16_TOP1, f"{name} {impl}: top-1 agreement {m['top1']:.4f} < {BF16_TOP1}"
