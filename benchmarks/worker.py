@@ -56,6 +56,10 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     M, B, T = spec.get("micro_steps", 1), spec["batch"], spec["seq"]
     x, y = make_batch(cfg, M, B, T)
     init = load_init(spec.get("init"))
+    if spec.get("device") in ("gpu", "cpu"):  # the GPU harness (benchmarks.gpu_bench); "cpu": its dry mode
+        from benchmarks.worker_gpu import run_train_gpu
+
+        return run_train_gpu(spec, cfg, TRAIN_VARIANTS[spec["variant"]], x, y, init)
     runner = {"jax": _jax_train, "torch_ref": _torch_train, "hf": _torch_train}[framework]
     step, info = runner(spec, cfg, precision, compiled, x, y, init)
 

@@ -153,6 +153,10 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+        with jax.named_scope("layer_norm"):  # named scopes label the profile's fusions (benchmarks.gpu_profile)
+            return self._normalize(x)
+
+    def _normalize(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
         # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
         # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
@@ -214,7 +218,8 @@ class CausalSelfAttention(nnx.Module):
             y = cached_attention(q, k, v, policy=self.policy, mask=mask, dropout_rate=self.dropout,
                                  dropout_key=attn_key)
         else:
-            y = attention(q, k, v, policy=self.policy, dropout_rate=self.dropout, dropout_key=attn_key)
+            with jax.named_scope("attention"):
+                y = attention(q, k, v, policy=self.policy, dropout_rate=self.dropout, dropout_key=attn_key)
         y = rearrange(y, "b t h d -> b t (h d)")  # re-assemble the heads side by side
         return dropout(self.c_proj(y), self.dropout, resid_key), cache
 
@@ -228,7 +233,9 @@ class MLP(nnx.Module):
         self.dropout = config.dropout
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, dropout_key=None) -> Float[Array, "batch seq embed"]:
-        h = jax.nn.gelu(self.c_fc(x), approximate=True)  # GPT-2's tanh GELU, in fp32
+        h = self.c_fc(x)
+        with jax.named_scope("gelu"):
+            h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
         return dropout(self.c_proj(h), self.dropout, dropout_key)
 
 
@@ -280,7 +287,8 @@ class GPT(nnx.Module):
             check_cache_positions(pos, T, cache.k.shape[3], self.config)
         keys = _split(dropout_key, self.config.n_layer + 1)
         positions = pos + jnp.arange(T)
-        x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
+        with jax.named_scope("embed"):
+            x = self.wte(idx) + self.wpe(positions)[None]  # (B, T, C)
         x = dropout(x, self.config.dropout, keys[-1])
         for i, block in enumerate(self.h):
             x, cache = block(x, cache=cache, layer=i, pos=pos, dropout_key=keys[i])
@@ -302,11 +310,12 @@ class GPT(nnx.Module):
         """Mean next-token cross-entropy in fp32 (padded vocabulary columns excluded)."""
         check_tokens(targets, self.config, name="targets")  # never gathered out of range or wrapped
         h, _ = self.hidden(idx, dropout_key=dropout_key)
-        if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
-            return ops.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
-                                             vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
-                                             precision=self.policy.lax_precision)
-        return cross_entropy(self.logits(h), targets)
+        with jax.named_scope("cross_entropy"):  # the lm_head matmul and the loss
+            if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
+                return ops.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
+                                                 vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
+                                                 precision=self.policy.lax_precision)
+            return cross_entropy(self.logits(h), targets)
 
     def token_losses(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]
                      ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:

@@ -176,13 +176,15 @@ def _fused_ce(h, w, targets, vocab_size, dtype, precision):
 
 
 def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision):
-    loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True)
+    with jax.named_scope("cross_entropy"):  # custom_vjp's forward is traced outside the caller's scopes
+        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True)
     return loss_sum / h.shape[0], (dh, dw, targets)
 
 
 def _fused_ce_bwd(vocab_size, dtype, precision, res, g):
     dh, dw, targets = res
-    return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
+    with jax.named_scope("cross_entropy"):
+        return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
 
 
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)

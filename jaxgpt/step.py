@@ -255,9 +255,10 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     def step(state: TrainState, x, y, key):
         state = mesh_lib.constrain(state, mesh)  # as init_train_state / shard_state placed it
         loss, grads = sharded_grads(state.params, x, y, key)
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            grad_norm = optax.tree.norm(grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
         lr = current_lr(opt_state)
         if lr is None:
             lr = lr_schedule(state.step) if lr_schedule is not None else jnp.nan

@@ -1,0 +1,170 @@
+"""One train-step measurement on a GPU (or, ``spec["device"] == "cpu"``, the same code path on the CPU: the dry
+mode the default test suite runs). Called by :mod:`benchmarks.worker` for ``spec["device"]``; results as its
+``run_train``'s, plus peak device memory and the device's name.
+
+Timing is device-synchronised and pipelined the way a training loop runs: after the cold first step (trace +
+compile + one step) and ``warmup`` steps, ``windows`` windows of ``window`` steps each are timed from a
+synchronised start to a synchronised end (JAX: ``block_until_ready`` on the new state; torch:
+``torch.cuda.synchronize()``), and each window's time per step is one sample. Neither framework reads the loss
+on the host inside a window (jaxgpt's training loop fetches metrics every ``log_interval`` steps; a per-step
+``loss.item()`` would serialise host and device in both).
+
+A micro-batch that does not fit in device memory returns ``{"does_not_fit": True, "error": ...}`` instead of
+raising: the orchestrator reports it as "does not fit" and stops growing that variant's batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Callable
+
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory", "Failed to allocate")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is a device out-of-memory error (XLA's RESOURCE_EXHAUSTED or torch's OutOfMemoryError)."""
+    return type(exc).__name__ == "OutOfMemoryError" or any(m in str(exc) for m in OOM_MARKERS)
+
+
+def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, y, init) -> dict[str, Any]:
+    from benchmarks.worker import peak_rss_mib
+
+    framework, precision, compiled = variant
+    runner = _jax if framework == "jax" else _torch
+    load_start = list(os.getloadavg())
+    try:
+        fns = runner(spec, cfg, precision, compiled, x, y, init)
+        t0 = time.perf_counter()
+        first = fns["step"]()
+        fns["sync"]()
+        cold = time.perf_counter() - t0
+        loss_first = fns["value"](first)
+        for _ in range(spec.get("warmup", 3)):
+            fns["step"]()
+        fns["sync"]()
+        times = []
+        window = spec.get("window", 5)
+        for _ in range(spec.get("windows", 4)):
+            t0 = time.perf_counter()
+            for _ in range(window):
+                last = fns["step"]()
+                if spec.get("sync_every_step"):  # the A/B of a training loop that reads the loss every step
+                    fns["value"](last)
+            fns["sync"]()
+            times.append((time.perf_counter() - t0) / window)
+        loss_last = fns["value"](last)
+    except Exception as e:  # noqa: BLE001 - classified, re-raised unless it is an out-of-memory error
+        if not is_oom(e):
+            raise
+        first_line = next((s for s in str(e).splitlines() if s.strip()), type(e).__name__)
+        return {"does_not_fit": True, "error": f"does not fit: {first_line[:300]}", "variant": spec["variant"],
+                "framework": framework, "precision": precision, "peak_rss_mib": peak_rss_mib()}
+    return {
+        **fns["info"], "variant": spec["variant"], "framework": framework, "precision": precision,
+        "tokens_per_step": x.shape[0] * x.shape[1] * x.shape[2], "cold_first_step_s": cold, "step_times_s": times,
+        "timing": f"{spec.get('windows', 4)} windows x {window} steps, synchronised at each window's ends",
+        "loss_first": loss_first, "loss_last": loss_last, "peak_device_mib": fns["peak_mib"](),
+        "peak_rss_mib": peak_rss_mib(), "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+    }
+
+
+def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dict]:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from benchmarks import impl
+    from jaxgpt.model import GPT
+    from jaxgpt.precision import Policy
+
+    device = jax.devices()[0]
+    if spec.get("ce_chunk_elements"):  # the A/B of the fused loss's chunk size (read when the step is traced)
+        from jaxgpt import ops
+
+        ops.CE_CHUNK_ELEMENTS = int(spec["ce_chunk_elements"])
+    policy = Policy.named(precision, **spec.get("policy", {}))
+    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(0))
+    if init is not None:
+        from jaxgpt.weights import load_ref
+
+        load_ref(model, init, source="benchmark init")
+    optimizer, opt_src = impl.jax_optimizer()
+    state, step_fn, step_src = impl.jax_train_step(model, optimizer, micro_steps=x.shape[0])
+    del model
+    xd, yd = jax.device_put(jnp.asarray(x)), jax.device_put(jnp.asarray(y))
+    key = jax.random.key(0)
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = step_fn(holder["state"], xd, yd, key)
+        return metrics
+
+    def peak_mib():
+        stats = device.memory_stats() or {}
+        return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
+
+    info = {"train_step": step_src, "optimizer": opt_src, "policy": str(policy),
+            "attention": policy.attention_impl(), "device_kind": device.device_kind, "platform": device.platform,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    return {"step": step, "sync": lambda: jax.block_until_ready(holder["state"]),
+            "value": lambda m: float(m["loss"]), "peak_mib": peak_mib, "info": info}
+
+
+def _torch(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dict]:
+    import torch
+
+    from benchmarks import impl
+    from torch_ref.model import GPT
+
+    dev = "cuda" if spec.get("device", "gpu") == "gpu" else "cpu"
+    if dev == "cuda":
+        # nanoGPT / build-nanogpt: TF32 for whatever stays fp32 (the bf16 autocast covers the matmuls)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(0)
+    model = GPT(cfg, seed=0)
+    if init is not None:
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in init.items()})
+    model.to(dev).train()
+    hyper, hyper_src = impl.optim_hyper()
+    opt, clip, opt_src = impl.torch_optimizer(model, hyper)  # AdamW(fused=True): the fused CUDA kernel on a GPU
+    fwd = torch.compile(model) if compiled else model
+    xs = torch.from_numpy(x).long().to(dev)
+    ys = torch.from_numpy(y).long().to(dev)
+    autocast = (lambda: torch.autocast(dev, dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    lr_at = impl.torch_lr_schedule()
+    counter = {"step": 0}
+    M = xs.shape[0]
+
+    def step():
+        for group in opt.param_groups:
+            group["lr"] = lr_at(counter["step"])
+        counter["step"] += 1
+        total = torch.zeros((), device=dev)
+        for m in range(M):
+            with autocast():
+                loss = fwd(xs[m], ys[m])[1] / M
+            loss.backward()
+            total += loss.detach()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    def peak_mib():
+        return torch.cuda.max_memory_allocated() / 2**20 if dev == "cuda" else None
+
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    sdpa = {"flash": torch.backends.cuda.flash_sdp_enabled(), "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            "cudnn": torch.backends.cuda.cudnn_sdp_enabled()} if dev == "cuda" else {}
+    info = {"train_step": "benchmarks.worker_gpu (torch_ref loop)", "optimizer": opt_src, "hyper_source": hyper_src,
+            "optimizer_class": f"{type(opt).__name__}(fused={opt.defaults.get('fused')})",
+            "torch_compile": bool(compiled), "device_kind": name, "platform": dev, "sdpa_backends_enabled": sdpa}
+    return {"step": step, "sync": sync, "value": lambda t: float(t), "peak_mib": peak_mib, "info": info}
