@@ -32,6 +32,14 @@ def write_items(path: Path, n: int = 6) -> Path:
 
 
 @pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory) -> Path:
+    """Prepared tiny-Shakespeare shards of this test module's own (no reliance on data_cache/ or test order)."""
+    from jaxgpt.data import prepare
+
+    return prepare("shakespeare", tmp_path_factory.mktemp("shakespeare"), verbose=False)
+
+
+@pytest.fixture(scope="module")
 def model() -> GPT:
     return GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
 
@@ -91,19 +99,19 @@ def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path
     assert four.evaluate(items, params=other)["items_per_s"] > 0 and four._fn._cache_size() == 1
 
 
-def test_val_loss_and_bits_per_byte(model):
+def test_val_loss_and_bits_per_byte(model, shakespeare):
     lens = val_loss.byte_lengths()
     assert lens[EOT_TOKEN] == 0 and lens[encode("Hello")[0]] == 5 and lens[encode(" é")[0]] == len(" é".encode())
-    r = val_loss.evaluate(model, REPO / "data_cache" / "shakespeare", batch_size=2, seq_len=32, limit=3)
+    r = val_loss.evaluate(model, shakespeare, batch_size=2, seq_len=32, limit=3)
     assert r["tokens"] == 3 * 2 * 32 and 0 < r["bytes"] <= 3 * 2 * 32 * 16
     assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
     assert r["bits_per_byte"] == pytest.approx(r["loss"] * r["tokens"] / math.log(2) / r["bytes"])
     assert 10.0 < r["loss"] < 11.5  # a random model: about ln(50257) = 10.8
     with pytest.raises(EvalError, match="seq_len = 65: must be <= the model's block_size"):
-        val_loss.evaluate(model, REPO / "data_cache" / "shakespeare", seq_len=65)
+        val_loss.evaluate(model, shakespeare, seq_len=65)
 
 
-def test_command_line(tmp_path, capsys):
+def test_command_line(tmp_path, capsys, shakespeare):
     data = write_items(tmp_path / "items.jsonl", 5)
     argv = ["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(data), "--limit", "3",
             "--out", str(tmp_path / "r.jsonl"), "--json", str(tmp_path / "s.json"), "--no-progress"]
@@ -116,7 +124,7 @@ def test_command_line(tmp_path, capsys):
     assert [r["ind"] for r in rows] == [0, 1, 2] and all(len(r["sum_losses"]) == 4 for r in rows)
 
     assert cli.main(["--task", "val-loss", "--init-from", "random:tiny", "--data",
-                     str(REPO / "data_cache" / "shakespeare"), "--limit", "2", "--no-progress"]) == 0
+                     str(shakespeare), "--limit", "2", "--no-progress"]) == 0
     assert capsys.readouterr().out.startswith("val loss ")
     for bad, match in ((["--task", "val-loss", "--init-from", "random:tiny"], "needs --data DIR"),
                        (["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(tmp_path / "no")],
@@ -127,11 +135,11 @@ def test_command_line(tmp_path, capsys):
         assert match in err and "Traceback" not in err
 
 
-def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys):
+def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys, shakespeare):
     from jaxgpt.train import main, read_metrics
 
     data = write_items(tmp_path / "items.jsonl", 4)
-    base = ["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={REPO / 'data_cache' / 'shakespeare'}",
+    base = ["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={shakespeare}",
             "--max_steps=4", "--eval_interval=0", "--checkpoint_interval=0"]
     assert main([*base, f"--out_dir={tmp_path / 'run'}", "--hellaswag_interval=2", f"--hellaswag_file={data}"]) == 0
     hs = [r for r in read_metrics(tmp_path / "run") if r["type"] == "hellaswag"]

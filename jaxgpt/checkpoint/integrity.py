@@ -145,8 +145,10 @@ def describe_error(e: BaseException) -> str:
 
 def quiet_abandoned_reads() -> None:
     """After a failed restore, orbax leaves its other array reads as coroutines that Python reports as
-    "Exception ignored in: <coroutine ...>" with a TensorStore spec when they are collected. The failure is
-    already reported (as :class:`CheckpointDamaged`): drop those reports, pass every other one on."""
+    "Exception ignored in: <coroutine ...>" with a TensorStore spec when they are collected, and TensorStore's
+    threads may report "Event loop is closed" for reads that finish after orbax closed its loop, possibly before
+    the failure itself reaches the reading thread. The failure is reported (as :class:`CheckpointDamaged`): drop
+    exactly those two reports, pass every other one on. Installed once, before any restore."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxgpt_quiet", False):
         return

@@ -242,10 +242,12 @@ class Checkpoints:
 
     def _read_arrays(self, step: int, items: dict[str, Any]) -> dict[str, Any]:
         args = {k: ocp.args.StandardRestore(v) for k, v in items.items()}
+        # installed before the read, not after it fails: TensorStore's threads can report an abandoned read
+        # (through sys.unraisablehook) before the failure reaches this thread (seen in CI)
+        quiet_abandoned_reads()
         try:
             return dict(self.manager.restore(step, args=ocp.args.Composite(**args)))
         except Exception as e:  # orbax / tensorstore / OS: truncated or garbage files, lost metadata
-            quiet_abandoned_reads()
             where = "/, ".join(items) + "/"
             raise CheckpointDamaged(step, where, describe_error(e)) from e
 
