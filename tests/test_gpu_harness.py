@@ -1,0 +1,222 @@
+"""The GPU benchmark harness's CPU paths: the dry mode of ``benchmarks.train_step --device gpu`` (real workers,
+tiny shapes), its batch growth, out-of-memory rows, MFU and targets (fake workers reporting an H100), the
+profile summariser on a CPU trace and on a synthetic GPU trace, the end-to-end check and the runbook."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from benchmarks import common, e2e_check, gpu_bench, gpu_profile, gpu_session
+from benchmarks.worker_gpu import is_oom
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    return tmp_path
+
+
+def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
+    res = gpu_bench.run(dry=True, batches=[2], eager_batches=[2], medium_batch=None, steps=5, budget_s=600,
+                        variants=["jax_bf16"], log=lambda s: None)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"jax_bf16", "torch_eager_bf16"} and not any("error" in r for r in rows.values()), rows
+    j, t = rows["jax_bf16"], rows["torch_eager_bf16"]
+    assert j["tokens_per_s"] > 0 and t["tokens_per_s"] > 0 and j["cold_first_step_s"] > 0
+    assert j["details"]["attention"] == "einsum" and j["details"]["policy"].startswith("Policy(compute_dtype='bfloat16'")
+    assert t["details"]["optimizer_class"] == "AdamW(fused=True)"
+    assert j["loss_first"] == pytest.approx(t["loss_first"], abs=2e-2)  # same init, same batch, bf16 both
+    assert j["mfu"] is None and "no peak for 'cpu'" in j["peak_source"]  # no CPU entry in the GPU peak table
+    saved = json.loads((results / "train_step-gpu-dry.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(res["rows"]))
+    md = (results / "train_step-gpu-dry.md").read_text()
+    assert "| gpt2 | **jax_bf16** | 2 |" in md and "Targets" in md
+
+
+def fake_worker(fits: dict[str, int], step_s: dict[str, float]):
+    """A run_worker stand-in: a variant fits up to micro-batch fits[variant]; steps take step_s x batch / 16."""
+    calls = []
+
+    def run_worker(spec, env, timeout=0):
+        calls.append(spec)
+        v, b = spec["variant"], spec["batch"]
+        if b > fits[v]:
+            return {"error": "does not fit: RESOURCE_EXHAUSTED: Out of memory while trying to allocate",
+                    "does_not_fit": True}
+        t = step_s[v] * b / 16
+        return {"variant": v, "tokens_per_step": b * spec["seq"], "step_times_s": [t, t * 1.01, t * 0.99, t],
+                "cold_first_step_s": 30.0 + b, "loss_first": 10.9, "loss_last": 10.5, "peak_device_mib": 2000.0 * b,
+                "device_kind": H100}
+    return run_worker, calls
+
+
+def test_batches_grow_until_one_does_not_fit_and_targets_are_judged(results, monkeypatch):
+    worker, calls = fake_worker({"jax_bf16": 64, "torch_compile_bf16": 32, "torch_eager_bf16": 16},
+                                {"jax_bf16": 0.05, "torch_compile_bf16": 0.06, "torch_eager_bf16": 0.1})
+    monkeypatch.setattr(common, "run_worker", worker)
+    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    res = gpu_bench.run(dry=False, batches=[16, 32, 64, 128], eager_batches=[16], medium_batch=16, steps=20,
+                        budget_s=600, log=lambda s: None)
+    ran = [(c["config"], c["variant"], c["batch"]) for c in calls]
+    # torch.compile stops after its first out-of-memory batch (64): 128 is never tried; jax tries 128 and stops
+    assert ("gpt2", "torch_compile_bf16", 128) not in ran and ("gpt2", "jax_bf16", 128) in ran
+    assert ("gpt2-medium", "jax_bf16", 16) in ran and ("gpt2", "torch_eager_bf16", 32) not in ran
+    rows = {(r["shape"], r["variant"], r["batch"]): r for r in res["rows"]}
+    assert rows["gpt2", "torch_compile_bf16", 64]["does_not_fit"]
+    assert rows["gpt2", "torch_compile_bf16", 128]["error"] == "not run: a smaller micro-batch did not fit"
+    j32 = rows["gpt2", "jax_bf16", 32]
+    full, causal = gpu_bench.flops("gpt2", 32, 1024)
+    assert j32["mfu"] == pytest.approx(full / 0.1 / 989.4e12) and j32["mfu_causal_halved"] < j32["mfu"]
+    assert j32["peak_device_gib"] == pytest.approx(2000 * 32 / 1024) and "H100" in j32["peak_source"]
+    mfu, speed, cold, fit = res["targets"]
+    # tokens/s are equal at every batch here (step time ~ batch): the first best one, 16, is judged
+    assert mfu["batch"] == 16 and mfu["measured"] == pytest.approx(rows["gpt2", "jax_bf16", 16]["mfu"])
+    assert mfu["met"] is (mfu["measured"] >= 0.5)
+    assert speed["measured"] == pytest.approx(0.06 / 0.05) and speed["met"]
+    assert cold["measured"] == 46.0 and cold["met"]
+    assert fit["met"] and fit["measured"] == pytest.approx(62.5)
+    md = gpu_bench.markdown(res)
+    assert "does not fit (out of memory)" in md and "| gpt2-medium | **jax_bf16** | 16 |" in md
+    assert "989.4 TFLOP/s" in md
+
+
+def test_out_of_memory_errors_are_recognised():
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    assert is_oom(OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 81.2GiB"))
+    assert not is_oom(ValueError("shapes (2, 3) and (4,) do not match"))
+
+
+def test_the_budget_and_a_failed_row_are_reported(results, monkeypatch):
+    monkeypatch.setattr(common, "run_worker", lambda spec, env, timeout=0: {"error": "worker exited 1: boom"})
+    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    res = gpu_bench.run(dry=False, batches=[16], eager_batches=[], medium_batch=None, steps=5, budget_s=600,
+                        log=lambda s: None)
+    assert [r["error"] for r in res["rows"]] == ["worker exited 1: boom"] * 2
+    assert res["targets"][0]["met"] is False and "boom" in gpu_bench.markdown(res)
+    res = gpu_bench.run(dry=False, batches=[16], eager_batches=[], medium_batch=None, steps=5, budget_s=-1,
+                        log=lambda s: None)
+    assert all("time budget" in r["error"] for r in res["rows"])
+
+
+GPU_HLO = """HloModule jit_step
+%fused_ln (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  ROOT %m = f32[4]{0} multiply(%p0, %p0)
+}
+ENTRY %main (a: bf16[4,4]) -> f32[4] {
+  %a = bf16[4,4]{1,0} parameter(0)
+  %gemm.1 = (bf16[4,4]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/jvp()/dot_general"}
+  %gemm.2 = (bf16[4,4]{1,0}, s8[0]{0}) custom-call(%a, %a), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %fmha.3 = (bf16[4,4]{1,0}) custom-call(%a, %a, %a), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(step)/jvp(attention)/dot_product_attention"}
+  %fmha.4 = (bf16[4,4]{1,0}) custom-call(%a, %a, %a), custom_call_target="__cudnn$fmhaSoftmaxBackward", metadata={op_name="jit(step)/transpose(jvp(attention))/dot_product_attention"}
+  %loop_fusion.5 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_ln, metadata={op_name="jit(step)/jvp(layer_norm)/mul"}
+  %input_fusion.6 = f32[4]{0} fusion(%a), kind=kInput, calls=%fused_ln, metadata={op_name="jit(step)/jvp(cross_entropy)/cross_entropy/while/body/closed_call/reduce_max"}
+  ROOT %loop_fusion.7 = f32[4]{0} fusion(%a), kind=kLoop, calls=%fused_ln, metadata={op_name="jit(step)/optimizer/add"}
+}
+"""
+
+
+def gpu_trace() -> dict:
+    """Two steps of a made-up GPU trace: kernels on one stream, named by XLA's hlo_op argument."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    kernels = [("sm90_xmma_gemm_bf16", "gemm.1", 100), ("nvjet_tst_128x256", "gemm.2", 200),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "fmha.3", 50),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop", "fmha.4", 120),
+               ("loop_multiply_fusion", "loop_fusion.5", 30), ("input_reduce_fusion", "input_fusion.6", 60),
+               ("loop_add_fusion", "loop_fusion.7", 40), ("Memcpy HtoD (Pageable to Device)", "", 10)]
+    events, ts = list(meta), 1000.0
+    for _step in range(2):
+        for name, op, dur in kernels:
+            events.append({"ph": "X", "pid": 1, "tid": 7, "name": name, "ts": ts, "dur": dur,
+                           "args": {"hlo_op": op, "hlo_module": "jit_step"} if op else {}})
+            ts += dur
+        ts += 90  # the host gap between steps
+        events.append({"ph": "X", "pid": 2, "tid": 1, "name": "PjitFunction(step)", "ts": ts - 700, "dur": 600})
+    return {"traceEvents": events}
+
+
+def test_the_summariser_sorts_a_gpu_trace_into_categories():
+    s = gpu_profile.summarise(gpu_trace(), GPU_HLO, steps=2)
+    ms = {r["category"]: r["ms_per_step"] for r in s["rows"]}
+    assert s["source"] == "GPU kernels" and s["events"] == 16
+    assert ms["matmuls fwd"] == pytest.approx(0.1) and ms["matmuls bwd"] == pytest.approx(0.2)
+    assert ms["attention fwd"] == pytest.approx(0.05) and ms["attention bwd"] == pytest.approx(0.12)
+    assert ms["LayerNorm/GELU fwd"] == pytest.approx(0.03) and ms["cross-entropy (lm_head + loss)"] == pytest.approx(0.06)
+    assert ms["optimizer"] == pytest.approx(0.04) and ms["copies"] == pytest.approx(0.01) and ms["other"] == 0
+    # window: first kernel start to last kernel end = 2 x 610 + one 90 us gap between the steps
+    assert s["step_ms"] == pytest.approx((2 * 610 + 90) / 2 / 1e3) and ms["host gaps (device idle)"] == pytest.approx(0.045)
+    assert sum(r["share"] for r in s["rows"]) == pytest.approx(1.0)
+    assert gpu_profile.ceiling(s, 0.40) == pytest.approx(0.40 * s["step_ms"] / 0.47)
+    md = gpu_profile.markdown({"summary": s})
+    assert "| attention bwd | 0.12 |" in md
+
+
+def test_the_profile_runs_and_summarises_on_the_cpu(results):
+    res = gpu_profile.profile(dry=True, batch=2, steps=2)
+    ms = {r["category"]: r["ms_per_step"] for r in res["summary"]["rows"]}
+    assert res["summary"]["source"] == "XLA:CPU thunks"
+    for c in ("matmuls fwd", "matmuls bwd", "cross-entropy (lm_head + loss)", "LayerNorm/GELU fwd",
+              "LayerNorm/GELU bwd", "optimizer", "attention fwd", "attention bwd"):
+        assert ms[c] > 0, (c, ms)
+    # the classified time is most of the step (nothing large left as "other")
+    assert ms["other"] < 0.25 * sum(ms.values())
+    with gzip.open(results / res["hlo_file"], "rt") as f:
+        assert "HloModule" in f.read(200)
+    again = gpu_profile.summarise(json.load(gzip.open(results / res["trace_file"])),
+                                  gzip.open(results / res["hlo_file"], "rt").read(), 2)
+    assert again["rows"] == res["summary"]["rows"]
+
+
+def write_run(tmp_path, tok_s: list[float], mfu: float | None = 0.5):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"type": "train", "step": 10 * (i + 1), "tokens_per_s": t, "mfu": mfu} for i, t in enumerate(tok_s)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+def test_the_end_to_end_check_compares_a_run_with_the_harness(tmp_path, capsys):
+    harness = tmp_path / "h.json"
+    harness.write_text(json.dumps({"rows": [
+        {"shape": "gpt2", "variant": "jax_bf16", "batch": 32, "micro_steps": 4, "tokens_per_s": 1000.0, "mfu": 0.5},
+        {"shape": "gpt2", "variant": "jax_bf16", "batch": 32, "micro_steps": 1, "tokens_per_s": 900.0, "mfu": 0.45}]}))
+    run = write_run(tmp_path, [10.0, 500.0, 990.0, 1010.0, 1030.0], mfu=0.51)
+    assert e2e_check.main([str(run), str(harness), "--out", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert c["run"]["tokens_per_s"] == 1010.0 and c["tokens_per_s_ratio"] == pytest.approx(1.01) and c["ok"]
+    assert e2e_check.main([str(run), str(harness), "--micro-steps", "1"]) == 1  # 1010 vs 900: 12% off
+    assert "DIFFERENT" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no jax_bf16 gpt2 row at micro-batch 16"):
+        e2e_check.main([str(run), str(harness), "--batch", "16"])
+
+
+def test_the_runbook_parts_fit_the_device_limits(tmp_path):
+    for part in gpu_session.PARTS:
+        cmds = gpu_session.commands(part, dry=False, out=tmp_path, text=tmp_path / "t.txt")
+        assert cmds and all(isinstance(c, list) for c in cmds)
+    table = gpu_session.commands("table", dry=False, out=tmp_path, text=None)[0]
+    assert table[table.index("--batches") + 1] == "16,32,64,128" and "--device" in table
+    train = next(c for c in gpu_session.commands("profile", dry=False, out=tmp_path, text=tmp_path / "t.txt")
+                 if "jaxgpt.train" in c)
+    assert "--total_batch_tokens=131072" in train and "--batch_size=32" in train  # 4 micro-steps of 32 x 1024
+    with pytest.raises(SystemExit, match="needs a text file"):
+        gpu_session.commands("profile", dry=False, out=tmp_path, text=None)
+
+
+@pytest.mark.slow
+def test_the_runbook_profile_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
+    """The whole profile part (trace, shards, harness row, training run, check) at tiny shapes (~70 s)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_session.main(["profile", "--dry", "--text", str(common.ROOT / "README.md")]) == 0
+    check = json.loads((tmp_path / "e2e-check.json").read_text())
+    assert check["tokens_per_s_ratio"] > 0 and (tmp_path / "e2e-metrics.jsonl").stat().st_size > 0
+    assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back at most 8 files
