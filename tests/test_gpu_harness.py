@@ -220,3 +220,22 @@ def test_the_runbook_profile_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
     check = json.loads((tmp_path / "e2e-check.json").read_text())
     assert check["tokens_per_s_ratio"] > 0 and (tmp_path / "e2e-metrics.jsonl").stat().st_size > 0
     assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back at most 8 files
+
+
+def test_the_scaling_projection_follows_its_stated_model(tmp_path, capsys):
+    from benchmarks import scaling
+
+    g = scaling.grad_bytes()
+    assert g == 4 * 124_475_904  # gpt2 with wte padded to 50,304 rows, fp32
+    p = scaling.project(micro_step_s=0.07, batch=32, gpus=8, grad_bytes=g, busbw=360e9, alpha_s=10e-6)
+    t_ar = 2 * 7 / 8 * g / 360e9 + 14 * 10e-6
+    assert p.micro_steps == 2 and p.allreduce_s == pytest.approx(t_ar)
+    assert p.tokens_per_s_per_gpu == pytest.approx(65536 / (0.14 + t_ar)) and p.tokens_per_s == 8 * p.tokens_per_s_per_gpu
+    assert scaling.project(micro_step_s=0.07, batch=32, gpus=1, grad_bytes=g).efficiency == 1.0
+    with pytest.raises(ValueError, match="not a multiple"):
+        scaling.project(micro_step_s=0.07, batch=48, gpus=8, grad_bytes=g)
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"rows": [{"shape": "gpt2", "variant": "jax_bf16", "batch": 32,
+                                           "step_ms": {"median": 70.0}}]}))
+    assert scaling.main(["--from", str(table)]) == 0
+    assert "tok/s per GPU" in capsys.readouterr().out
