@@ -220,6 +220,37 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
     return out + [note, "", f"Command: `{ceil['command']}`", ""]
 
 
+def gpu_section() -> list[str]:
+    """The GPU tables written by the harness on a GPU (``train_step-gpu-<device>*.json``, the A/B, the profile),
+    or what to run where there are none yet."""
+    from benchmarks import gpu_bench
+
+    tables = sorted(p for p in common.RESULTS.glob("train_step-gpu-*.json") if "dry" not in p.name)
+    out = ["## GPU: gpt2 124M against torch.compile", ""]
+    if not tables:
+        return out + [
+            "**Not yet measured**: no GPU has been lent to this project's sessions since the GPU harness was built "
+            "(issue 15). On a GPU, `python -m benchmarks.train_step --device gpu` writes "
+            "`train_step-gpu-<device>.json` (jaxgpt's bf16 default against torch_ref under torch.compile + bf16 "
+            "autocast + flash SDPA + fused AdamW, and eager, at micro-batch 16, 32, 64, 128 until one does not "
+            "fit, with tokens/s, MFU against the device's dense bf16 peak, peak memory and the cold first step), "
+            "and `python -m benchmarks.gpu_session {table,ab,profile,parity}` runs the whole plan (the A/B of the "
+            "XLA flags and kernel choices, the traced step summarised by `benchmarks.gpu_profile`, the end-to-end "
+            "`python -m jaxgpt.train` check, the CUDA parity tests) in parts of under 10 minutes. "
+            "`python -m benchmarks.train_step --device gpu --dry` rehearses the same code on the CPU.", ""]
+    for p in tables:
+        res = json.loads(p.read_text())
+        out += [f"### `{p.stem}`", "", gpu_bench.markdown(res), "", f"Command: `{res['command']}`", ""]
+    for name, title in (("gpu-ab", "jaxgpt A/B, one knob at a time"),):
+        md = common.RESULTS / f"{name}.md"
+        if md.exists():
+            out += [f"### {title}", "", md.read_text().rstrip(), ""]
+    for md in sorted(common.RESULTS.glob("profile-gpu-*.md")):
+        if "dry" not in md.name:
+            out += [f"### Where the step's time goes (`{md.stem}`)", "", md.read_text().rstrip(), ""]
+    return out
+
+
 def write(path: Path | None = None) -> Path:
     if path is None:  # results redirected (dry runs, tests): keep the report beside them
         path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
@@ -259,7 +290,7 @@ def write(path: Path | None = None) -> Path:
         "`benchmarks/results/*.json`). CI runs `python -m benchmarks.train_step --quick` through "
         "`tests/test_benchmarks.py`.",
         "",
-        "## Machine and software",
+        "## Machine and software (the CPU tables)",
         "",
         f"* CPU: {m.get('model_name')} (vendor {m.get('vendor')}, family {m.get('family')} model {m.get('model')}"
         f"{', KVM guest' if m.get('hypervisor') else ''}), {m.get('cores')} cores, {m.get('mem_gib')} GiB; {flags}.",
@@ -299,6 +330,7 @@ def write(path: Path | None = None) -> Path:
                                                        for n, r in noisy)
                 + ". Oversubscription slows torch (OpenMP spin-waits) more than JAX, so even same-run ratios from "
                 "those runs are biased; re-run them on an idle machine before quoting them.", ""]
+    out += gpu_section()
     tr = targets(train, gen)
     if tr:
         out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]

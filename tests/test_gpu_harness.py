@@ -239,3 +239,18 @@ def test_the_scaling_projection_follows_its_stated_model(tmp_path, capsys):
                                            "step_ms": {"median": 70.0}}]}))
     assert scaling.main(["--from", str(table)]) == 0
     assert "tok/s per GPU" in capsys.readouterr().out
+
+
+def test_the_report_shows_gpu_tables_or_says_they_are_missing(results, monkeypatch):
+    from benchmarks import report
+
+    assert "**Not yet measured**" in "\n".join(report.gpu_section())
+    worker, _ = fake_worker({"jax_bf16": 32, "torch_compile_bf16": 32, "torch_eager_bf16": 16},
+                            {"jax_bf16": 0.05, "torch_compile_bf16": 0.06, "torch_eager_bf16": 0.1})
+    monkeypatch.setattr(common, "run_worker", worker)
+    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    res = gpu_bench.run(dry=False, batches=[16], eager_batches=[16], medium_batch=None, steps=20, budget_s=600,
+                        log=lambda s: None)
+    assert gpu_bench.result_name(res) == "train_step-gpu-other"  # nvidia-smi absent here: no GPU name
+    text = "\n".join(report.gpu_section())
+    assert "### `train_step-gpu-other`" in text and "| gpt2 | torch_compile_bf16 | 16 |" in text
