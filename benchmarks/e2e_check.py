@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="write the comparison as JSON here")
     a = p.parse_args(argv)
     res = compare(run_figures(a.run_dir, a.skip), harness_figures(a.harness_json, a.batch, a.micro_steps), a.tolerance)
-    fmt = lambda x, pct=False: "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:,.0f}")  # noqa: E731
+    def fmt(x, pct=False):
+        return "-" if x is None else (f"{100 * x:.1f}%" if pct else f"{x:,.0f}")
     print(f"train run  {fmt(res['run']['tokens_per_s'])} tok/s, MFU {fmt(res['run']['mfu'], True)} "
           f"(median of {res['run']['records']} records, steps {res['run']['steps'][0]}-{res['run']['steps'][1]})")
     print(f"harness    {fmt(res['harness']['tokens_per_s'])} tok/s, MFU {fmt(res['harness']['mfu'], True)} "

@@ -24,9 +24,7 @@ rewritten after every variant so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -69,7 +67,8 @@ def gpu_info() -> dict[str, Any]:
     """nvidia-smi's name, driver and memory of GPU 0 (empty where there is none)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     parts = [p.strip() for p in out.splitlines()[0].split(",")] if out.strip() else []

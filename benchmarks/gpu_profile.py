@@ -216,13 +216,13 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
     hlo = step_fn.jitted.lower(state, xd, yd, key).compile().as_text()
     compile_s = time.perf_counter() - t0
     for _ in range(3):
-        state, m = step_fn(state, xd, yd, key)
+        state, _ = step_fn(state, xd, yd, key)
     jax.block_until_ready(state)
     tdir = common.TMP / f"gpu-trace-{int(time.time())}"
     with jax.profiler.trace(str(tdir), create_perfetto_trace=True):
         t0 = time.perf_counter()
         for _ in range(steps):
-            state, m = step_fn(state, xd, yd, key)
+            state, _ = step_fn(state, xd, yd, key)
         jax.block_until_ready(state)
         wall = time.perf_counter() - t0
     summary = summarise(load_trace(tdir), hlo, steps)
@@ -286,7 +286,11 @@ def main(argv=None) -> int:
         opener = gzip.open if a.hlo.endswith(".gz") else open
         with opener(a.hlo, "rt") as f:
             hlo = f.read()
-        trace = load_trace(Path(a.summarise)) if Path(a.summarise).is_dir() else json.load(gzip.open(a.summarise))
+        if Path(a.summarise).is_dir():
+            trace = load_trace(Path(a.summarise))
+        else:
+            with gzip.open(a.summarise) as f:
+                trace = json.load(f)
         print(markdown({"summary": summarise(trace, hlo, a.steps)}))
         return 0
     if a.dry:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory", "Failed to allocate")
 
@@ -55,7 +56,7 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
             fns["sync"]()
             times.append((time.perf_counter() - t0) / window)
         loss_last = fns["value"](last)
-    except Exception as e:  # noqa: BLE001 - classified, re-raised unless it is an out-of-memory error
+    except Exception as e:  # classified: re-raised unless it is an out-of-memory error
         if not is_oom(e):
             raise
         first_line = next((s for s in str(e).splitlines() if s.strip()), type(e).__name__)

@@ -70,7 +70,7 @@ def test_batches_grow_until_one_does_not_fit_and_targets_are_judged(results, mon
     assert rows["gpt2", "torch_compile_bf16", 64]["does_not_fit"]
     assert rows["gpt2", "torch_compile_bf16", 128]["error"] == "not run: a smaller micro-batch did not fit"
     j32 = rows["gpt2", "jax_bf16", 32]
-    full, causal = gpu_bench.flops("gpt2", 32, 1024)
+    full, _ = gpu_bench.flops("gpt2", 32, 1024)
     assert j32["mfu"] == pytest.approx(full / 0.1 / 989.4e12) and j32["mfu_causal_halved"] < j32["mfu"]
     assert j32["peak_device_gib"] == pytest.approx(2000 * 32 / 1024) and "H100" in j32["peak_source"]
     mfu, speed, cold, fit = res["targets"]
@@ -171,8 +171,8 @@ def test_the_profile_runs_and_summarises_on_the_cpu(results):
     assert ms["other"] < 0.25 * sum(ms.values())
     with gzip.open(results / res["hlo_file"], "rt") as f:
         assert "HloModule" in f.read(200)
-    again = gpu_profile.summarise(json.load(gzip.open(results / res["trace_file"])),
-                                  gzip.open(results / res["hlo_file"], "rt").read(), 2)
+    with gzip.open(results / res["trace_file"]) as t, gzip.open(results / res["hlo_file"], "rt") as h:
+        again = gpu_profile.summarise(json.load(t), h.read(), 2)
     assert again["rows"] == res["summary"]["rows"]
 
 
