@@ -153,19 +153,16 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
-        with jax.named_scope("layer_norm"):  # named scopes label the profile's fusions (benchmarks.gpu_profile)
-            return self._normalize(x)
-
-    def _normalize(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
-        # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
-        # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
-        x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
-        mean = x.mean(axis=-1, keepdims=True)
-        var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
-        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
-        y = y + self.bias[...] if self.bias is not None else y
-        return y.reshape(*lead, x.shape[-1])
+        with jax.named_scope("layer_norm"):  # named scopes label the profile's fusions (benchmarks.gpu_profile)
+            # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
+            # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
+            x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
+            mean = x.mean(axis=-1, keepdims=True)
+            var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
+            y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
+            y = y + self.bias[...] if self.bias is not None else y
+            return y.reshape(*lead, x.shape[-1])
 
 
 class Linear(nnx.Module):

@@ -66,7 +66,7 @@ class HFAdapter(torch.nn.Module):
         return self.hf(idx).logits.float(), None
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("gpt2", marks=pytest.mark.slow)])  # gpt2 shapes: ~30 s
 def test_hellaswag_losses_match_torch_ref_and_transformers(name, items, hf_checkpoint, parity_report):
     directory, hf = hf_checkpoint(name, wte_scale=3.0)  # a peaked init: clear favourites among the endings
     jax_model = from_hf(directory, policy=Policy.fp32())
