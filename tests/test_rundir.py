@@ -68,3 +68,71 @@ def test_unusable_paths_are_named(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda *a, **k: False)
     with pytest.raises(DirError, match="not writable"):
         make_dir(tmp_path / "new")
+
+
+def test_a_waiting_lock_times_out_naming_the_holder(tmp_path):
+    d = make_dir(tmp_path / "shards")
+    waits = []
+    with DirLock(d, what="shard directory", option="data_dir"):
+        t0 = time.monotonic()
+        with pytest.raises(DirLocked) as e:
+            DirLock(d, what="shard directory", option="data_dir").acquire(wait_s=0.5, on_wait=waits.append, poll_s=0.05)
+        assert time.monotonic() - t0 >= 0.5
+    assert len(waits) == 1 and waits[0]["pid"] == os.getpid()  # told once, with the holder
+    msg = str(e.value)
+    assert f"in use by process {os.getpid()}" in msg and "(still, after waiting 0.5 s)" in msg
+    assert "choose another data_dir" in msg
+
+
+def _holder(d: Path, then: str) -> subprocess.Popen:
+    code = ("import os, sys, time; from jaxgpt.rundir import DirLock; lock = DirLock(sys.argv[1]).acquire(); "
+            f"print('locked', flush=True); time.sleep(1.0); {then}; lock.release()")
+    return subprocess.Popen([sys.executable, "-c", code, str(d)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("then", ["pass", "lock.remove_file()", "lock.remove_file(); os.rmdir(sys.argv[1])"])
+def test_a_waiter_gets_the_lock_when_the_holder_lets_go(tmp_path, then):
+    """Also when the holder removed the lock file (and its directory) first, as a failed `jaxgpt.data` into a new
+    directory does: the waiter then holds the lock file that is at the path, not an unlinked one."""
+    d = make_dir(tmp_path / "shards")
+    proc = _holder(d, then)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        waits = []
+        with DirLock(d).acquire(wait_s=60, on_wait=waits.append, poll_s=0.05) as lock:
+            assert [w["pid"] for w in waits] == [proc.pid]
+            held, there = os.fstat(lock._fd), os.stat(lock.path)
+            assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+            assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+            with pytest.raises(DirLocked):  # and it excludes the next one
+                DirLock(d).acquire()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_lock_on_a_removed_lock_file_is_taken_again(tmp_path, monkeypatch):
+    """The holder removes the lock file and lets go between this process's open() and its flock(): the flock
+    succeeds on the unlinked file, which excludes nobody; acquire must see that and lock the file at the path."""
+    import fcntl
+
+    d = make_dir(tmp_path / "shards")
+    holder = DirLock(d).acquire()
+    real_flock = fcntl.flock
+    calls = []
+
+    def flock(fd, op):
+        if op & fcntl.LOCK_EX and holder.held:  # the waiter's first try: the holder finishes just before it
+            calls.append(os.fstat(fd).st_ino)
+            holder.remove_file()
+            holder.release()
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with DirLock(d).acquire() as lock:
+        monkeypatch.undo()
+        held, there = os.fstat(lock._fd), os.stat(lock.path)
+        assert len(calls) == 1 and held.st_ino != calls[0]  # not the removed file
+        assert (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+        with pytest.raises(DirLocked):
+            DirLock(d).acquire()
