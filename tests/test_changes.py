@@ -56,3 +56,24 @@ def test_actions_are_not_compared_and_check_resume_raises_with_every_field():
     msg = str(e.value)
     assert "cannot resume runs/x (step 300)" in msg and "seed: 1337 -> 1" in msg and "seq_len: 128 -> 64" in msg
     assert "another out_dir" in msg
+
+
+
+def test_switching_clipping_off_reshapes_the_optimizer_state_and_is_refused():
+    """A change the optimizer state's tree would not survive (the restore could not fit the saved arrays) is
+    refused with its fix, while a change beside it that keeps the structure stays allowed."""
+    refused, allowed = changed(**{"optim.grad_clip": 0.0, "optim.lr": 1e-3})
+    assert [r.split(":")[0] for r in refused] == ["optim.grad_clip"]
+    assert "use --optim.grad_clip=1.0" in refused[0] and "another structure" in refused[0]
+    assert allowed == {"optim.lr": [3e-3, 1e-3]}  # the default preset's lr
+
+
+@pytest.mark.parametrize("field", ["momentum", "weight_decay"])
+def test_sgd_momentum_or_coupled_decay_switched_off_is_refused(field):
+    """SGD: momentum 0.9 -> 0 drops the trace from the state; weight decay 0.1 -> 0 drops the L2 transform."""
+    base = {"total_batch_tokens": 4096, "optim.name": "sgd"}
+    saved = as_saved(TrainConfig.load(overrides=base))
+    new = as_saved(TrainConfig.load(overrides={**base, f"optim.{field}": 0.0, "optim.lr": 1e-3}))
+    refused, allowed = classify(saved, new)
+    assert [r.split(":")[0] for r in refused] == [f"optim.{field}"] and "another structure" in refused[0]
+    assert allowed == {"optim.lr": [3e-3, 1e-3]}

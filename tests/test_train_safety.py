@@ -95,28 +95,47 @@ def test_an_explosion_never_costs_the_healthy_checkpoints(healthy, tmp_path, cap
 
 def test_rollback_restores_skips_exactly_and_is_bounded(healthy, tmp_path, capsys):
     """on_divergence: rollback goes back to checkpoint 4 and skips the 2 batches of steps 5-6; the lr still
-    explodes the params, so it diverges again, twice, and stops. The step after the first rollback computes the
-    same loss, bit for bit, as a manual --resume_step=4 --skip_batches=2."""
+    explodes the params, so it diverges again; the second rollback to checkpoint 4 skips those 2 batches and the
+    2 the first attempt trained on (4 in all: no attempt repeats another), diverges again and stops, naming
+    the skip that would come next. The step after the first rollback computes the same loss, bit for bit, as a
+    manual --resume_step=4 --skip_batches=2."""
     out = copy_run(healthy, tmp_path / "auto")
     assert run(out, "--max_steps=10", "--checkpoint_interval=1", *EXPLODE, "--on_divergence=rollback",
                "--max_rollbacks=2") == 3
     err = capsys.readouterr().err
     assert "2 rollback(s) done" in err and "Traceback" not in err
+    assert "--resume_step=4 --skip_batches=6" in err and "on_divergence: rollback" not in err
     records = read_metrics(out)
     kinds = [(r["type"], r["step"]) for r in records if r["type"] in ("divergence", "rollback")]
-    assert kinds == [("divergence", 6), ("rollback", 4), ("divergence", 6), ("rollback", 4), ("divergence", 6)]
-    assert all(r["skip_batches"] == 2 and r["from_step"] == 6 for r in records if r["type"] == "rollback")
-    after_first = [r for r in records[records.index(next(r for r in records if r["type"] == "rollback")):]
-                   if r["type"] == "train"][0]
-    assert after_first["step"] == 5
+    assert kinds == [("divergence", 6), ("rollback", 6), ("divergence", 6), ("rollback", 6), ("divergence", 6)]
+    rollbacks = [r for r in records if r["type"] == "rollback"]
+    assert [(r["to_step"], r["skip_batches"]) for r in rollbacks] == [(4, 2), (4, 4)]
+    step5 = [r for r in records if r["type"] == "train" and r["step"] == 5]
+    assert len({r["loss"] for r in step5}) == len(step5) == 3  # the first try and two rollbacks: other data each
     assert saved_steps(out) == [3, 4]
 
     manual = copy_run(healthy, tmp_path / "manual")
-    assert run(manual, "--max_steps=5", "--checkpoint_interval=1", *EXPLODE, "--resume_step=4",
-               "--skip_batches=2") == 0
-    step5 = next(r for r in read_metrics(manual) if r["type"] == "train" and r["step"] == 5)
-    assert step5["loss"] == after_first["loss"]
+    assert run(manual, "--max_steps=5", "--checkpoint_interval=1", "--resume_step=4", "--skip_batches=2") == 0
+    manual5 = next(r for r in read_metrics(manual) if r["type"] == "train" and r["step"] == 5)
+    assert manual5["loss"] == step5[1]["loss"]
     assert meta(manual, 5)["loader_state"]["step"] == 4 + 2 + 1  # batches drawn: 4 trained, 2 skipped, 1
+
+
+def test_an_exploded_final_state_is_never_saved(healthy, tmp_path, capsys):
+    """No training step evaluates the final state, so the run checks it on the batch the next step would take:
+    a final update that explodes the params (step 5 from checkpoint 4 at lr 1e6) is caught there, nothing of
+    it is saved, keep-K rotates nothing out, and the error names checkpoint 4 as the last good one."""
+    out = copy_run(healthy, tmp_path / "run")
+    position = meta(out, 4)["loader_state"]
+    assert run(out, "--max_steps=5", "--checkpoint_interval=1", "--keep_checkpoints=2", *EXPLODE) == 3
+    err = capsys.readouterr().err
+    assert "the final state, evaluated on the next training batch: loss " in err and "Traceback" not in err
+    assert "The newest healthy state is step 4" in err and "the last good checkpoint is step 4" in err
+    assert saved_steps(out) == [3, 4] and meta(out, 4)["loader_state"] == position
+    assert [r["step"] for r in read_metrics(out) if r["type"] == "divergence"] == [6]
+
+    assert run(out, "--max_steps=6", "--checkpoint_interval=1", "--keep_checkpoints=2") == 0  # a sane lr: on
+    assert saved_steps(out) == [5, 6] and max_abs_params(out, 6) < 10
 
 
 def test_resume_step_sets_newer_aside_and_a_rerun_continues(tmp_path, capsys):
@@ -233,3 +252,34 @@ def test_resume_falls_back_past_a_damaged_step_and_says_what_changed(healthy, tm
         {"type": "config_change", "step": 3, "changes": {"max_steps": [4, 6], "optim.lr": [0.001, 0.0005]}}]
     assert [r["step"] for r in records if r["type"] == "train"] == [1, 2, 3, 4, 5, 6]
     assert saved_steps(out) == [5, 6]
+
+
+def test_resume_refusals_touch_nothing(healthy, tmp_path, capsys):
+    """Two resumes refused with exit 2 and no traceback, nothing moved or written: a setting that reshapes the
+    optimizer state (clipping switched off: every checkpoint would fail to fit, and must not be called
+    damaged), and --resume_step naming a damaged step (a garbage meta item)."""
+    out = copy_run(healthy, tmp_path / "run")
+    files = lambda: {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != LOCK_NAME}  # noqa: E731
+    before = files()
+    capsys.readouterr()
+    assert run(out, "--max_steps=6", "--optim.grad_clip=0") == 2
+    err = capsys.readouterr().err
+    assert "optim.grad_clip: 1.0 -> 0.0" in err and "use --optim.grad_clip=1.0" in err
+    assert "damaged" not in err and "Traceback" not in err
+    assert files() == before
+
+    (out / "checkpoints" / "4" / "meta" / "metadata").write_bytes(b"\xc5\x00 not json")
+    before = files()
+    assert run(out, "--max_steps=6", "--resume_step=4") == 2
+    err = capsys.readouterr().err
+    assert "step 4" in err and "meta" in err and "Traceback" not in err
+    assert files() == before
+
+
+def test_a_failed_set_up_leaves_no_run_directory(tmp_path, capsys):
+    """A setting found wrong after the lock was taken (here a missing HellaSwag file) leaves no trace of a run
+    directory that did not exist before."""
+    out = tmp_path / "new-run"
+    assert run(out, "--max_steps=2", "--hellaswag_interval=1", f"--hellaswag_file={tmp_path / 'missing.jsonl'}") == 2
+    assert "hellaswag" in capsys.readouterr().err.lower()
+    assert not out.exists()

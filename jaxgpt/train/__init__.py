@@ -21,11 +21,17 @@ run starts every process with ``JAXGPT_COORDINATOR`` / ``JAXGPT_NUM_PROCESSES`` 
 process reads its own part of the data; process 0 alone writes the run directory's files; all processes
 save the (sharded) checkpoints together.
 
-Exit codes: 0 done, 2 bad configuration or command line, 3 a non-finite loss stopped the run (the last good
-checkpoint is kept), 4 the processes of a multi-process run did not all join, 130 interrupted.
+Exit codes: 0 done, 2 bad configuration, command line, data or checkpoint (a damaged step asked for by
+``resume_step``, settings a checkpoint cannot take), 3 training diverged (a non-finite loss or gradient norm, or a
+spike over the guard's factor; the last good checkpoint is kept), 4 the processes of a multi-process run did
+not all join, 130 interrupted.
 
 Modules: :mod:`~jaxgpt.train.config` (TrainConfig), :mod:`~jaxgpt.train.run` (the run's phases),
-:mod:`~jaxgpt.train.metrics` (metrics.jsonl, loss.png, throughput), :mod:`~jaxgpt.train.cli` (the command).
+:mod:`~jaxgpt.train.resume` (continuing from a checkpoint), :mod:`~jaxgpt.train.changes` (what a resume may
+change), :mod:`~jaxgpt.train.safety` (checked checkpoints, rollback), :mod:`~jaxgpt.train.guard` (divergence
+rules), :mod:`~jaxgpt.train.evals` (validation, HellaSwag, samples), :mod:`~jaxgpt.train.feed` (batches one step
+ahead), :mod:`~jaxgpt.train.metrics` (metrics.jsonl, loss.png, throughput), :mod:`~jaxgpt.train.cli` (the
+command).
 """
 
 from jaxgpt.train.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, MALLOC_TUNABLES, UsageError, main,

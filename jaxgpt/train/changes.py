@@ -8,6 +8,7 @@ requested one, classified.
 | ``seed``, ``seq_len``, ``loader_mode`` | refused: the data position (and dropout masks) would mean another stream |
 | the global batch (tokens per optimizer step) | refused: the data position counts global batches |
 | ``resume``, ``resume_step``, ``skip_batches``, ``out_dir`` | not compared: actions and the directory itself |
+| ``optim.*`` fields whose change gives the optimizer state another structure (clipping or weight decay switched on or off for the coupled-decay optimizers, SGD momentum on or off) | refused: the saved state would not fit the requested optimizer |
 | everything else: ``optim.*`` (lr, schedule, weight decay, betas, clipping), ``precision``, ``attention``, ``dropout``, per-device ``batch_size`` at the same global batch, ``max_steps``, intervals, sampling, ``keep_checkpoints``, the divergence guard, ``mesh``, ``data_dir`` (the loader still refuses other data) | allowed: printed (old -> new) and recorded in metrics.jsonl as a ``config_change`` record |
 
 A refused change is a :class:`~jaxgpt.config.ConfigError` naming every such field, its saved and requested
@@ -64,11 +65,42 @@ def classify(saved: dict[str, Any], requested: dict[str, Any], *, saved_global_b
             allowed[field] = [old, new]
         else:
             refused.append(f"{field}: {old!r} -> {new!r} ({why}; use --{field}={_cli(old)})")
+    optim_changed = [f for f in allowed if f.startswith("optim.")]
+    saved_optim, requested_optim = saved.get("optim"), requested.get("optim")
+    if optim_changed and optimizer_state_differs(saved_optim, requested_optim):
+        alone = [f for f in optim_changed if optimizer_state_differs(
+            saved_optim, {**saved_optim, f.removeprefix("optim."): allowed[f][1]})]
+        for field in alone or optim_changed:  # the fields that change it alone, else the combination
+            old, new = allowed.pop(field)
+            refused.append(f"{field}: {old!r} -> {new!r} (gives the optimizer state another structure, which the "
+                           f"saved state would not fit; use --{field}={_cli(old)})")
     if saved_global_batch is not None and global_batch is not None and saved_global_batch != global_batch:
         refused.append(f"{GLOBAL_BATCH}: {saved_global_batch:,} -> {global_batch:,} (the data position counts global "
                        "batches; keep batch_size x seq_len x processes x micro steps = total_batch_tokens as saved, "
                        "e.g. change batch_size only together with total_batch_tokens unchanged)")
     return refused, allowed
+
+
+def optimizer_state_differs(saved: dict[str, Any] | None, requested: dict[str, Any] | None) -> bool:
+    """Whether the two optimizer configs' states have different tree structures (checked on a two-parameter
+    stand-in with a matrix and a vector, which decides every structural choice: clipping, the decay mask, the
+    optimizer's own slots). False when either config cannot be built (an older or foreign checkpoint: the
+    restore's own structure check then speaks)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxgpt.optim import OptimConfig, make_optimizer
+
+    try:
+        a, b = (OptimConfig.from_dict(d) for d in (saved, requested))
+    except (ConfigError, TypeError, ValueError, KeyError, AttributeError):
+        return False
+    stand_in = {"kernel": jnp.zeros((2, 2)), "bias": jnp.zeros((2,))}
+
+    def structure(cfg: OptimConfig) -> Any:
+        return jax.tree.structure(jax.eval_shape(make_optimizer(cfg).init, stand_in))
+
+    return structure(a) != structure(b)
 
 
 def check_resume(saved: dict[str, Any], requested: dict[str, Any], *, step: int, where: str,

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if from_cli:
         _maybe_reexec_with_malloc_tuning(argv)
     from jaxgpt import distributed
-    from jaxgpt.checkpoint import NoCheckpointError
+    from jaxgpt.checkpoint import CheckpointDamaged, NoCheckpointError
     from jaxgpt.data import DataError
     from jaxgpt.train.run import NonFiniteLoss, train
     from jaxgpt.weights import CheckpointError
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_NONFINITE
-    except (ConfigError, NoCheckpointError, DataError, CheckpointError) as e:
+    except (ConfigError, NoCheckpointError, CheckpointDamaged, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     except KeyboardInterrupt:

@@ -56,6 +56,14 @@ class DivergenceGuard:
         self.grad_norms.append(grad_norm)
         return None
 
+    def check_loss(self, step: int, loss: float) -> Verdict | None:
+        """A loss measured without a training step (the final state's check): the loss rules only, and not
+        added to the history."""
+        if not math.isfinite(loss):
+            return Verdict(step, loss, math.nan, f"loss {loss}: not finite")
+        reason = self._spike("loss", loss, self.losses, self.loss_factor) if self.losses else None
+        return None if reason is None else Verdict(step, loss, math.nan, reason)
+
     @staticmethod
     def _spike(name: str, value: float, history: collections.deque[float], factor: float) -> str | None:
         if not factor:
