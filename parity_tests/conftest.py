@@ -86,6 +86,34 @@ CHECKPOINTS = {
 PEAKED_WTE_SCALE = 3.0
 
 
+ATTN_PEAK = (16.0, 34.0)  # the odd checkpoint's largest attention logits must lie in this range
+
+
+def peak_attention(model, scale: float) -> None:
+    """Scale every layer's q and k projections (weights and biases): attention logits grow by scale**2."""
+    with torch.no_grad():
+        for block in model.transformer.h:
+            C = block.attn.c_attn.weight.shape[0]
+            block.attn.c_attn.weight[:, : 2 * C].mul_(scale)
+            block.attn.c_attn.bias[: 2 * C].mul_(scale)
+
+
+@torch.no_grad()
+def max_attention_logit(model, tokens: torch.Tensor) -> float:
+    """The largest |q.k/sqrt(d)| over all layers, heads and causal pairs, in float64."""
+    out = model(tokens, output_hidden_states=True)
+    worst = 0.0
+    for block, h in zip(model.transformer.h, out.hidden_states):
+        q, k, _ = block.attn.c_attn(block.ln_1(h)).split(h.shape[-1], dim=-1)
+        nh = model.config.n_head
+        q, k = (t.view(*t.shape[:2], nh, -1).transpose(1, 2) for t in (q, k))
+        s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        causal = torch.tril(torch.ones(s.shape[-2:], dtype=torch.bool))
+        worst = max(worst, float(s.abs()[..., causal].max()))
+    return worst
+
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """hf_checkpoint(name, wte_scale=1.0) -> (directory, transformers model); made once per session."""

@@ -14,7 +14,8 @@ import pytest
 import torch
 from flax import nnx
 
-from conftest import CHECKPOINTS, PEAKED_WTE_SCALE, on_device, random_tokens
+from conftest import (ATTN_PEAK, CHECKPOINTS, PEAKED_WTE_SCALE, make_hf_checkpoint, max_attention_logit,
+                      on_device, peak_attention, random_tokens)
 from jaxgpt.model import cross_entropy
 from jaxgpt.precision import Policy
 from jaxgpt.weights import from_hf
@@ -111,6 +112,37 @@ def test_fp32_logits_and_loss(name, attention, device, oracles, parity_report):
         assert d <= tol, f"{name} {attention}: max |logits {pair}| = {d:.3g} > {tol:g}"
     for pair, r in losses.items():
         assert r <= LOSS_FP32_REL, f"{name} {attention}: {pair} = {r:.3g} > {LOSS_FP32_REL:g}"
+
+
+def test_fp32_logits_pairwise_at_large_scale(tmp_path, parity_report):
+    """The regime where a fixed 1e-5 bound failed a correct jaxgpt: 3 heads, n_embd 96, block 37, attention
+    logits peaking at 16-34 and a scaled token embedding, so the output logits reach ~25. The bound follows the
+    logits' scale (tolerances.fp32_logits_pairwise); all three implementations must agree within it."""
+    from transformers import GPT2LMHeadModel
+
+    import torch_ref.load
+
+    hf = make_hf_checkpoint(tmp_path, n_layer=3, n_head=3, n_embd=96, n_positions=37, seed=11, wte_scale=12.0)
+    peak_attention(hf, 12.0)
+    hf.save_pretrained(tmp_path)
+    tokens = random_tokens(2, 37, seed=5)
+    t = torch.from_numpy(tokens)
+    peak = max_attention_logit(GPT2LMHeadModel.from_pretrained(tmp_path).double().eval(), t)
+    assert ATTN_PEAK[0] <= peak <= ATTN_PEAK[1], f"attention logits peak at {peak:.1f}, not in {ATTN_PEAK}"
+    with torch.no_grad():
+        hf_logits = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()(t).logits.numpy()
+        ref_logits = torch_ref.load.from_hf(tmp_path)(t)[0].numpy()
+    model = from_hf(tmp_path, policy=Policy.fp32(matmul_precision="highest"))
+    jax_logits, _ = _jax_logits_and_loss(model, tokens)
+    scale = float(np.abs(hf_logits).max())
+    assert scale > 10, f"the logits' scale is {scale:.3g}: not the large-logit regime this test is for"
+    tol = fp32_logits_pairwise(scale, 3)
+    diffs = {"jax-hf": _max_abs(jax_logits, hf_logits), "torch_ref-hf": _max_abs(ref_logits, hf_logits),
+             "jax-torch_ref": _max_abs(jax_logits, ref_logits)}
+    parity_report("fp32/odd-peaked-large/cpu", **diffs, logits_scale=scale, logits_bound=tol,
+                  attention_logit_peak=peak)
+    for pair, d in diffs.items():
+        assert d <= tol, f"max |logits {pair}| = {d:.3g} > {tol:.3g} (scale {scale:.3g})"
 
 
 # ---- bf16 compute against the fp32 oracle ---------------------------------------------------------------

@@ -76,6 +76,7 @@ def fp32_logits_floor(scale: float) -> float:
     return 4 * _EPS32 * scale
 
 
-def fp32_grad_floor(n: int) -> float:
-    """The same for a gradient tensor's relative (Frobenius) error: rounding of n independent fp32 sums."""
+def fp32_grad_floor() -> float:
+    """The same for a gradient tensor's relative (Frobenius) error: 4 ulps. Independent roundings of its elements
+    keep the relative norm of their sum at the per-element size, whatever the tensor's size."""
     return 4 * _EPS32
