@@ -407,7 +407,7 @@ def generate_samples(
 # ---- loading a model ------------------------------------------------------------------------------------
 def load_checkpoint(path: str | Path, *, policy: Policy, step: int | None = None) -> GPT:
     """The model of a jaxgpt training run (``jaxgpt.checkpoint``): ``path`` is the run directory (or its
-    ``checkpoints/`` subdirectory); ``step`` defaults to the latest complete checkpoint."""
+    ``checkpoints/`` subdirectory); ``step`` defaults to the newest intact checkpoint."""
     from jaxgpt import checkpoint
 
     path = Path(path)
@@ -415,7 +415,12 @@ def load_checkpoint(path: str | Path, *, policy: Policy, step: int | None = None
         path = path.parent
     try:
         return checkpoint.load_model(path, step=step, policy=policy)
+    except checkpoint.CheckpointDamaged as e:  # --step N named a damaged step (no fallback then)
+        raise GenerateError(f"--init-from {str(path)!r} --step {step}: {e}; leave out --step to use the newest "
+                            "intact step") from e
     except (OSError, ValueError) as e:  # NoCheckpointError, CheckpointMismatchError, unreadable files
+        if (path / checkpoint.CHECKPOINT_SUBDIR).is_dir():  # a run directory: its checkpoints are the problem
+            raise GenerateError(f"--init-from {str(path)!r}: {e}") from e
         raise GenerateError(f"--init-from {str(path)!r}: not a Hugging Face GPT-2 directory (no config.json), "
                             f"and no jaxgpt training checkpoint could be loaded from it: {e}") from e
 
@@ -501,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPT-2 directory, a jaxgpt training run directory, or random:PRESET for a random "
                         f"model (presets: {', '.join(sorted(PRESETS))}) (default: gpt2)")
     p.add_argument("--step", type=_int_at_least(0), default=None,
-                   help="with a training run directory: the checkpoint step (default: the latest)")
+                   help="with a training run directory: the checkpoint step, an error if it is damaged "
+                   "(default: the newest intact step)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="",
                         help="the text to continue (default: empty = unconditional). Taken literally: a typed "
