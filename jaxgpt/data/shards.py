@@ -21,6 +21,9 @@ SHARD_FORMAT = "jaxgpt-shard"
 MANIFEST_FORMAT = "jaxgpt-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# present while prepare() moves new shards into a directory; with no manifest beside it, the directory holds a
+# half-replaced set of shards (the process was killed mid-commit) that nothing may read
+COMMIT_MARKER = ".jaxgpt-committing"
 
 
 def to_uint16(ids: Any) -> UInt16[np.ndarray, " n"]:
@@ -122,6 +125,10 @@ def find_shards(data: str | Path, split: str) -> list[Shard]:
     data = Path(data)
     if data.is_dir():
         manifest = _read_json(data / MANIFEST_NAME)
+        if manifest is None and (data / COMMIT_MARKER).exists():
+            raise DataError(f"{data}: a preparation was interrupted while it moved new shards in (no manifest.json, "
+                            f"and {COMMIT_MARKER} is still there), so its shards may be mixed; prepare it again with "
+                            f"`python -m jaxgpt.data ... --out {data}`")
         if manifest is not None:
             files = [data / e["file"] for e in manifest.get("splits", {}).get(split, {}).get("shards", [])]
         else:
