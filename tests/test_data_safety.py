@@ -159,8 +159,12 @@ def test_the_manifest_records_the_tokenizer_and_the_model_is_checked(corpus, tmp
     tokens = np.memmap(sorted(out.glob("*_train_*.bin"))[0], dtype="<u2", mode="r")
     assert headers[0]["max_token"] == int(tokens.max())
     check_shards_for_model(out, 50257)  # ours: fine
-    with pytest.raises(DataError, match="the shards' tokenizer has 50,257 ids but the model's vocab_size is 512"):
+    with pytest.raises(DataError, match="the shards' tokenizer has 50,257 ids but the model's vocab_size is 512") as e:
         check_shards_for_model(out, 512)
+    # both ways out: the model's vocabulary may be the one too small, or the shards from another tokenizer
+    assert "train a model whose vocab_size exceeds every id in the shards (>= 50,257)" in str(e.value)
+    assert "shards made with the model's own tokenizer (every id < 512" in str(e.value)
+    assert "with this tokenizer" not in str(e.value)
     top = max(h["max_token"] for h in headers)
     no_record = {k: v for k, v in manifest.items() if k != "tokenizer"}
     (out / "manifest.json").write_text(json.dumps(no_record))  # then the shard headers' max_token still tell
@@ -180,13 +184,13 @@ def test_the_manifest_records_the_tokenizer_and_the_model_is_checked(corpus, tmp
     check_shards_for_model(out, 50257)
 
 
-def handmade_shards(tmp_path: Path, bad_at: int, bad_id: int = 60_000) -> Path:
+def handmade_shards(tmp_path: Path, bad_at: int, bad_id: int = 60_000, bad_split: str = "train") -> Path:
     """Shards as an older jaxgpt (no max_token) or another tool wrote them, holding one id outside GPT-2's."""
     out = tmp_path / "foreign"
     rng = np.random.default_rng(0)
     for split, n in (("train", 4000), ("val", 1000)):
         ids = rng.integers(0, 50257, n)
-        if split == "train":
+        if split == bad_split:
             ids[bad_at] = bad_id
         write_shard(out, "foreign", split, 0, ids, {"source": "test"})
         header = out / f"foreign_{split}_000000.json"
@@ -198,7 +202,7 @@ def handmade_shards(tmp_path: Path, bad_at: int, bad_id: int = 60_000) -> Path:
 
 def test_an_id_outside_the_vocabulary_is_named_by_shard_and_offset(tmp_path):
     out = handmade_shards(tmp_path, bad_at=1234)
-    check_shards_for_model(out, 50257)  # no header records it: the batches are checked
+    check_shards_for_model(out, 50257, scan_max_tokens=0)  # no header records it, too big to read: batches checked
     loader = DataLoader(out, "train", 4, 64, mode="sequential")
     for _ in range(loader.batches_per_epoch):
         x, y = loader.next_batch()
@@ -220,16 +224,55 @@ def test_an_id_outside_the_vocabulary_is_named_by_shard_and_offset(tmp_path):
         pytest.fail("the random loader never drew the bad id")
 
 
-def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys):
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys, split):
     from jaxgpt.train import main
 
-    out = handmade_shards(tmp_path, bad_at=40)
+    out = handmade_shards(tmp_path, bad_at=40, bad_split=split)
     code = main(["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={out}", "--loader_mode=sequential",
                  f"--out_dir={tmp_path / 'run'}", "--max_steps=50", "--eval_interval=0", "--plot=false"])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "foreign_train_000000.bin: token id 60,000 at token offset 40 is outside" in err
-    assert "Traceback" not in err
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert f"foreign_{split}_000000.bin: token id 60,000 at token offset 40 is outside" in captured.err
+    assert "its header records no max_token, so the shard was read" in captured.err  # at set-up, before a step
+    assert "Traceback" not in captured.err and "nan" not in captured.out + captured.err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_val_ids_outside_the_vocabulary_are_caught_before_training(tmp_path):
+    """Only train batches went through token_error: an id of 60000 in an old val shard gave `val loss nan`."""
+    out = handmade_shards(tmp_path, bad_at=777, bad_split="val")
+    with pytest.raises(DataError) as e:  # the val shard is small: read whole
+        check_shards_for_model(out, 50257)
+    assert ("foreign_val_000000.bin: token id 60,000 at token offset 777 is outside the model's vocabulary "
+            "[0, 50,257) (the val split; its header records no max_token") in str(e.value)
+    assert "vocab_size exceeds every id in the shards (>= 60,001)" in str(e.value)
+    check_shards_for_model(out, 60_001)  # a model whose vocabulary covers it: fine
+    check_shards_for_model(out, 50257, splits=["train"])
+    check_shards_for_model(out, 50257, scan_max_tokens=999)  # 1000 tokens: not read
+
+
+@pytest.mark.parametrize("mode", ["sequential", "random"])
+def test_a_loader_with_vocab_size_checks_every_batch(tmp_path, mode):
+    out = handmade_shards(tmp_path, bad_at=500, bad_split="val")
+    plain = DataLoader(out, "val", 2, 64, mode=mode, seed=1)
+    checked = DataLoader(out, "val", 2, 64, mode=mode, seed=1, vocab_size=50257)
+    for _ in range(300):
+        x, y = plain.next_batch()  # without vocab_size: as before, no check
+        if plain.token_error(x, y, 50257) is None:
+            np.testing.assert_array_equal(checked.next_batch()[0], x)  # a valid batch: the same rows
+            continue
+        with pytest.raises(DataError, match=r"foreign_val_000000.bin: token id 60,000 at token offset 500 is outside "
+                                            r"the model's vocabulary \[0, 50,257\) \(found in batch \d+ of the val "
+                                            r"split"):
+            checked.next_batch()
+        break
+    else:
+        pytest.fail("the bad id was never drawn")
+    checked.vocab_size = None  # the attribute turns it off (and on)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(DataError, match="DataLoader.vocab_size"):
+            DataLoader(out, "val", 2, 64, vocab_size=bad)
 
 
 def test_ensure_prepared_waits_for_another_process_preparing_the_directory(tmp_path, capsys, monkeypatch):

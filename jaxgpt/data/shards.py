@@ -24,6 +24,7 @@ MANIFEST_NAME = "manifest.json"
 # present while prepare() moves new shards into a directory; with no manifest beside it, the directory holds a
 # half-replaced set of shards (the process was killed mid-commit) that nothing may read
 COMMIT_MARKER = ".jaxgpt-committing"
+SCAN_MAX_TOKENS = 1 << 25  # a shard whose header records no max_token is read whole up to this size (64 MB)
 
 
 def to_uint16(ids: Any) -> UInt16[np.ndarray, " n"]:
@@ -157,29 +158,64 @@ def tokenizer_record() -> dict[str, Any]:
             "merges_sha256": tokenizer.VOCAB_BPE_SHA256, "eot_token": tokenizer.EOT_TOKEN}
 
 
-def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[str] = SPLITS) -> None:
+def vocab_fix(data: str | Path, vocab_size: int, top: int) -> str:
+    """What to do about shards holding id ``top`` (>= ``vocab_size``): the model's vocabulary may be the one too
+    small, or the shards may come from another tokenizer."""
+    from jaxgpt import tokenizer as tok
+
+    return (f"either train a model whose vocab_size exceeds every id in the shards (>= {top + 1:,}), or "
+            f"re-tokenize the corpus into shards made with the model's own tokenizer (every id < {vocab_size:,}; "
+            f"`python -m jaxgpt.data ... --out {data} --force` makes GPT-2 ones, for a model with vocab_size >= "
+            f"{tok.VOCAB_SIZE:,})")
+
+
+def first_bad_id(shard: Shard, vocab_size: int, chunk: int = 1 << 24) -> tuple[int, int] | None:
+    """(token offset, id) of the first id ``>= vocab_size`` in ``shard``, read from disk; None when all are valid."""
+    tokens = np.memmap(shard.path, dtype="<u2", mode="r") if shard.num_tokens else np.zeros(0, np.uint16)
+    for i in range(0, len(tokens), chunk):
+        part = np.asarray(tokens[i : i + chunk])
+        if int(part.max()) >= vocab_size:
+            j = int(np.flatnonzero(part >= vocab_size)[0])
+            return i + j, int(part[j])
+    return None
+
+
+def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[str] = SPLITS, *,
+                           scan_max_tokens: int | None = None) -> None:
     """Refuse shards a model with ``vocab_size`` ids cannot train on, before the first step: a manifest naming
-    another tokenizer (name or merges) or a larger vocabulary, or a shard whose header records an id
-    ``>= vocab_size``. Reads JSON headers only (no token data); shards without these records (made before they
-    were recorded) pass here, and their ids are checked batch by batch (:meth:`DataLoader.token_error`)."""
+    another tokenizer (name or merges) or a larger vocabulary, or a shard holding an id ``>= vocab_size``.
+
+    A shard's id range comes from its header's ``max_token``; a shard without it (made before it was recorded,
+    or by another tool) is read whole when it has at most ``scan_max_tokens`` tokens (a val split, usually:
+    tens of milliseconds), and otherwise left to the batch-by-batch check (:class:`DataLoader` with
+    ``vocab_size``). Errors name the shard, and for a read shard the token offset and the id.
+    ``scan_max_tokens``: default :data:`SCAN_MAX_TOKENS`; 0 reads none."""
+    scan_max_tokens = SCAN_MAX_TOKENS if scan_max_tokens is None else scan_max_tokens
     data = Path(data)
     manifest = _read_json(data / MANIFEST_NAME) if data.is_dir() else None
     rec = (manifest or {}).get("tokenizer")
     ours = tokenizer_record()
-    redo = (f"re-tokenize the corpus with this tokenizer: `python -m jaxgpt.data ... --out {data} --force`")
     if isinstance(rec, dict):
         if rec.get("name") != ours["name"] or rec.get("merges_sha256") != ours["merges_sha256"]:
             raise DataError(f"{data}: the shards were made with tokenizer {rec.get('name')!r} (merges sha256 "
                             f"{str(rec.get('merges_sha256'))[:12]}...), but jaxgpt tokenizes with {ours['name']!r} "
-                            f"(merges sha256 {ours['merges_sha256'][:12]}...): its ids mean other text; {redo}")
+                            f"(merges sha256 {ours['merges_sha256'][:12]}...): its ids mean other text to this "
+                            f"model; re-tokenize the corpus with jaxgpt's tokenizer: `python -m jaxgpt.data ... "
+                            f"--out {data} --force`")
         if int(rec.get("vocab_size", 0)) > vocab_size:
             raise DataError(f"{data}: the shards' tokenizer has {rec['vocab_size']:,} ids but the model's vocab_size is "
-                            f"{vocab_size:,}: ids >= {vocab_size:,} would index past its embedding; use a model with "
-                            f"vocab_size >= {rec['vocab_size']:,}, or {redo}")
+                            f"{vocab_size:,}: ids >= {vocab_size:,} would index past its embedding; "
+                            + vocab_fix(data, vocab_size, int(rec["vocab_size"]) - 1))
     for split in splits:
         for shard in find_shards(data, split):
             top = shard.header.get("max_token")
-            if isinstance(top, int) and top >= vocab_size:
-                raise DataError(f"{shard.path}: holds token id {top:,} >= the model's vocab_size {vocab_size:,} (its "
-                                f"header records it); these shards were made for a larger vocabulary: use a model "
-                                f"with vocab_size > {top:,}, or {redo}")
+            if isinstance(top, int) and not isinstance(top, bool):
+                if top >= vocab_size:
+                    raise DataError(f"{shard.path}: holds token id {top:,} >= the model's vocab_size {vocab_size:,} "
+                                    f"(its header records it); " + vocab_fix(data, vocab_size, top))
+            elif shard.num_tokens <= scan_max_tokens:
+                bad = first_bad_id(shard, vocab_size)
+                if bad is not None:
+                    raise DataError(f"{shard.path}: token id {bad[1]:,} at token offset {bad[0]:,} is outside the "
+                                    f"model's vocabulary [0, {vocab_size:,}) (the {split} split; its header records "
+                                    f"no max_token, so the shard was read); " + vocab_fix(data, vocab_size, bad[1]))
