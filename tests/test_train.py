@@ -188,7 +188,7 @@ def test_resume_must_without_checkpoint_and_mismatch(tmp_path, reference_run, ca
     before = (ref_dir / "metrics.jsonl").read_text()
     assert main(TINY + [f"--out_dir={ref_dir}", *RUN_ARGS, "--model.n_embd=48"]) == 2
     err = capsys.readouterr().err
-    assert "model.n_embd: checkpoint has 32, requested 48" in err and "Traceback" not in err
+    assert "model.n_embd: 32 -> 48" in err and "use --model.n_embd=32" in err and "Traceback" not in err
     assert (ref_dir / "metrics.jsonl").read_text() == before  # nothing touched
 
 

@@ -155,13 +155,13 @@ class Run(Resuming, Safeguards, InLoopEvals):
 
         cfg = self.cfg
         self.data_dir = cfg.resolved_data_dir()
-        handmade = any(self.data_dir.glob("*_train_[0-9]*.bin"))  # shards without a manifest: used as they are
-        if not (self.data_dir / data_lib.MANIFEST_NAME).exists() and not handmade:
+        if not data_lib.is_prepared(self.data_dir):  # (shards without a manifest count: used as they are)
             if cfg.data_source.startswith(data_lib.HF_PREFIX):  # large: prepared on purpose, with its options
                 raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
                                   f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config "
                                   "file)")
-            data_lib.prepare(cfg.data_source, self.data_dir)
+            # another run preparing the same directory holds its lock: wait for it, then use what it made
+            data_lib.ensure_prepared(cfg.data_source, self.data_dir, option="data_dir")
         self.train_loader = data_lib.DataLoader(
             self.data_dir, "train", cfg.batch_size * self.micro_steps, cfg.seq_len, mode=cfg.loader_mode,
             seed=cfg.seed, process_index=self.pindex, process_count=self.pcount)
