@@ -87,6 +87,35 @@ def jax_train_step(model, optimizer, *, micro_steps: int):
     return (*_standin_train_step(model, optimizer, micro_steps), STANDIN)
 
 
+def jax_fixed_batch_step(cfg, policy, init, x, y):
+    """A jaxgpt model and train step over one fixed batch, for timing: ``(step, holder, sources)`` where
+    ``step()`` runs one update and returns its metrics (on the device), ``holder["state"]`` is the train state
+    and ``sources`` names the optimizer and step implementations."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxgpt.model import GPT
+
+    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(0))
+    if init is not None:
+        from jaxgpt.weights import load_ref
+
+        load_ref(model, init, source="benchmark init")
+    optimizer, opt_src = jax_optimizer()
+    state, step_fn, step_src = jax_train_step(model, optimizer, micro_steps=x.shape[0])
+    del model
+    xd, yd = jax.device_put(jnp.asarray(x)), jax.device_put(jnp.asarray(y))
+    key = jax.random.key(0)
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = step_fn(holder["state"], xd, yd, key)
+        return metrics
+
+    return step, holder, {"train_step": step_src, "optimizer": opt_src}
+
+
 def _standin_train_step(model, optimizer, micro_steps: int):
     import functools
 

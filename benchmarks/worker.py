@@ -83,32 +83,17 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _jax_train(spec, cfg, precision, compiled, x, y, init):
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from benchmarks import impl
-    from jaxgpt.model import GPT
     from jaxgpt.precision import Policy
 
     policy = Policy.named(precision)
-    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(0))
-    if init is not None:
-        from jaxgpt.weights import load_ref
-
-        load_ref(model, init, source="benchmark init")
-    optimizer, opt_src = impl.jax_optimizer()
-    state, step_fn, step_src = impl.jax_train_step(model, optimizer, micro_steps=x.shape[0])
-    del model
-    xd, yd = jax.device_put(jnp.asarray(x)), jax.device_put(jnp.asarray(y))
-    key = jax.random.key(0)
-    holder = {"state": state}
+    step_metrics, _, sources = impl.jax_fixed_batch_step(cfg, policy, init, x, y)
 
     def step() -> float:
-        holder["state"], metrics = step_fn(holder["state"], xd, yd, key)
-        return float(metrics["loss"])
+        return float(step_metrics()["loss"])
 
-    return step, {"train_step": step_src, "optimizer": opt_src, "policy": str(policy)}
+    return step, {**sources, "policy": str(policy)}
 
 
 def _torch_train(spec, cfg, precision, compiled, x, y, init):

@@ -74,11 +74,8 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
 
 def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dict]:
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from benchmarks import impl
-    from jaxgpt.model import GPT
     from jaxgpt.precision import Policy
 
     device = jax.devices()[0]
@@ -87,27 +84,13 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
 
         ops.CE_CHUNK_ELEMENTS = int(spec["ce_chunk_elements"])
     policy = Policy.named(precision, **spec.get("policy", {}))
-    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(0))
-    if init is not None:
-        from jaxgpt.weights import load_ref
-
-        load_ref(model, init, source="benchmark init")
-    optimizer, opt_src = impl.jax_optimizer()
-    state, step_fn, step_src = impl.jax_train_step(model, optimizer, micro_steps=x.shape[0])
-    del model
-    xd, yd = jax.device_put(jnp.asarray(x)), jax.device_put(jnp.asarray(y))
-    key = jax.random.key(0)
-    holder = {"state": state}
-
-    def step():
-        holder["state"], metrics = step_fn(holder["state"], xd, yd, key)
-        return metrics
+    step, holder, sources = impl.jax_fixed_batch_step(cfg, policy, init, x, y)
 
     def peak_mib():
         stats = device.memory_stats() or {}
         return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
 
-    info = {"train_step": step_src, "optimizer": opt_src, "policy": str(policy),
+    info = {**sources, "policy": str(policy),
             "attention": policy.attention_impl(), "device_kind": device.device_kind, "platform": device.platform,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     return {"step": step, "sync": lambda: jax.block_until_ready(holder["state"]),
