@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import re
@@ -30,7 +31,9 @@ _FREE_MODEL_FIELDS = frozenset({"dropout"})
 
 
 class CheckpointMismatchError(ConfigError):
-    """The checkpoint was written for a different model (or optimizer) than the one it is restored into."""
+    """The checkpoint was written for a different model (or optimizer) than the one it is restored into: a
+    mismatched config field, or a saved tree (``params`` / ``opt_state``) whose structure differs from the
+    requested one. The step is intact; it is never called damaged nor moved aside."""
 
 
 class NoCheckpointError(FileNotFoundError):
@@ -67,8 +70,48 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def _abstract(tree: Any) -> Any:
-    """ShapeDtypeStructs (with shardings) of a pytree of arrays: the target orbax restores into."""
-    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    """ShapeDtypeStructs (with shardings) of a pytree of arrays: the target orbax restores into. A leaf without a
+    sharding (e.g. from ``nnx.eval_shape``) goes to this process's first device, so the restore never depends on
+    the step's ``_sharding`` file (which holds no data and is not covered by the digests)."""
+    def one(x: Any) -> Any:
+        sds = ocp.utils.to_shape_dtype_struct(x)
+        if isinstance(sds, jax.ShapeDtypeStruct) and sds.sharding is None:
+            sds = jax.ShapeDtypeStruct(sds.shape, sds.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+        return sds
+
+    return jax.tree.map(one, tree)
+
+
+Path_ = tuple[str, ...]  # a leaf's path in orbax's tree metadata: its keys as strings
+
+
+def _show(path: Path_) -> str:
+    return "/".join(path) or "(the root)"
+
+
+def _tree_differences(saved: set[Path_], requested: set[Path_], *, limit: int = 6) -> list[str]:
+    """The leaf paths (empty nodes included) found in only one of two trees, grouped by their first four keys."""
+    out = []
+    for paths, where in ((saved - requested, "only in the checkpoint"), (requested - saved, "only requested")):
+        if not paths:
+            continue
+        groups: dict[str, int] = {}
+        for p in sorted(paths):
+            key = _show(p[:4]) + ("/..." if len(p) > 4 else "")
+            groups[key] = groups.get(key, 0) + 1
+        shown = [k + (f" ({n} leaves)" if n > 1 else "") for k, n in list(groups.items())[:limit]]
+        more = f", and {len(groups) - limit} more" if len(groups) > limit else ""
+        out.append(f"{where} ({len(paths)} leaves): " + ", ".join(shown) + more)
+    return out
+
+
+_STRUCTURE_HINT = {
+    "params": "the model's shape differs (use the checkpoint's model settings)",
+    "opt_state": "the optimizer is configured so that its state has another shape: optim.name, optim.grad_clip "
+                 "0 vs > 0, optim.weight_decay 0 vs > 0 (any optimizer but adamw) or optim.momentum 0 vs > 0 "
+                 "(sgd). Use the checkpoint's optimizer settings, or start a fresh run in another out_dir",
+}
 
 
 def key_to_json(key: jax.Array) -> dict[str, Any]:
@@ -113,6 +156,35 @@ def check_compatible(saved: dict[str, Any], requested: dict[str, Any], *, where:
             "fields:\n  " + "\n  ".join(problems)
             + "\nUse the checkpoint's settings, or start a fresh run in another out_dir."
         )
+
+
+def _numpy_args(saved: dict[Path_, dict[str, Any]]) -> Any:
+    """orbax ``restore_args`` that read every array of a saved tree as a numpy array (no sharding needed), in the
+    tree's own shape: dicts for dict keys, lists for sequence keys (orbax's key_type 1), None for empty nodes."""
+    def container(key_type: int) -> Any:
+        return [] if key_type == 1 else {}
+
+    root: Any = None
+    for path, entry in saved.items():
+        kinds, value_type = entry["key_types"], entry["value_type"]
+        leaf = None if value_type == "None" else ocp.RestoreArgs(
+            restore_type=np.ndarray if value_type in ("jax.Array", "np.ndarray") else None)
+        if not path:
+            return leaf
+        if root is None:
+            root = container(kinds[0])
+        node = root
+        for i, key in enumerate(path):
+            nxt = leaf if i == len(path) - 1 else container(kinds[i + 1])
+            if isinstance(node, list):
+                idx = int(key)
+                node.extend([None] * (idx + 1 - len(node)))
+                if node[idx] is None:
+                    node[idx] = nxt
+                node = node[idx]
+            else:
+                node = node.setdefault(key, nxt)
+    return root
 
 
 class Checkpoints:
@@ -162,6 +234,52 @@ class Checkpoints:
             raise CheckpointDamaged(step, f"{item}/ (JSON)", f"holds {type(value).__name__}, not a mapping")
         return value
 
+    def tree_metadata(self, step: int, item: str) -> dict[Path_, dict[str, Any]]:
+        """The leaves of an array item (``params`` / ``opt_state``) as orbax recorded them in its ``_METADATA``:
+        ``{path: {"key_types": [...], "value_type": ...}}``. Raises :class:`CheckpointDamaged` naming the file if
+        it is missing, not JSON or without a usable ``tree_metadata``; nothing else of the step is read."""
+        f = self.directory / str(step) / item / "_METADATA"
+        where = f"{item}/_METADATA"
+        try:
+            text = f.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointDamaged(step, where, "missing") from None
+        except OSError as e:
+            raise CheckpointDamaged(step, where, f"unreadable ({describe_error(e)})") from e
+        try:
+            doc = json.loads(text)
+        except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+            raise CheckpointDamaged(step, where, f"not JSON ({describe_error(e)})") from e
+        tree = doc.get("tree_metadata") if isinstance(doc, dict) else None
+        if not isinstance(tree, dict):
+            raise CheckpointDamaged(step, where, "has no tree_metadata")
+        if not tree:
+            raise CheckpointDamaged(step, where, "has an empty tree_metadata")
+        out: dict[Path_, dict[str, Any]] = {}
+        for name, entry in tree.items():
+            try:
+                keys = entry["key_metadata"]
+                path = tuple(str(k["key"]) for k in keys)
+                out[path] = {"key_types": [int(k["key_type"]) for k in keys],
+                             "value_type": str(entry["value_metadata"]["value_type"])}
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointDamaged(step, where, f"malformed tree_metadata entry {str(name)[:80]!r} "
+                                        f"({describe_error(e)})") from e
+        return out
+
+    def _check_structure(self, step: int, item: str, saved: dict[Path_, Any], target: Any) -> None:
+        """:class:`CheckpointMismatchError` if ``target``'s tree (leaf paths, empty nodes included, as orbax writes
+        them) is not the saved one: an intact step that cannot be restored into what was requested."""
+        requested = set(ocp.tree.to_flat_dict(target, keep_empty_nodes=True))
+        if requested == set(saved):
+            return
+        raise CheckpointMismatchError(
+            f"checkpoint {self.directory / str(step)}: {item}/ was saved with another tree structure than the "
+            f"requested one, so it cannot be restored into it (the step is intact; nothing was read or moved):\n  "
+            + "\n  ".join(_tree_differences(set(saved), requested))
+            + f"\nLikely cause: {_STRUCTURE_HINT.get(item, 'a different configuration')}."
+        )
+
     def saved_config(self, step: int | None = None) -> dict[str, Any]:
         """The ``config`` item of ``step`` (raises :class:`CheckpointDamaged` if it cannot be read)."""
         return self._read_json_item(self._step(step), "config")
@@ -202,7 +320,9 @@ class Checkpoints:
         """Restore ``step`` (default: the latest complete one) into the structure, dtypes and shardings of
         ``params`` / ``opt_state`` (real arrays or ShapeDtypeStructs), and verify every array against its
         recorded digest. With ``requested_config`` the saved config is checked against it first
-        (:func:`check_compatible`). ``opt_state=None`` skips it. A damaged step raises
+        (:func:`check_compatible`). ``opt_state=None`` skips it. Before any array is read, each item's orbax
+        metadata is checked (missing or garbage: damaged) and its tree compared with the requested one (another
+        structure: :class:`CheckpointMismatchError`, naming the differing paths). A damaged step raises
         :class:`CheckpointDamaged`; no other step is tried (see :meth:`restore_newest`)."""
         step = self._step(step)
         saved = self.saved_config(step)
@@ -211,6 +331,9 @@ class Checkpoints:
         meta = self.saved_meta(step)
         items = {"params": _abstract(params)} if opt_state is None else \
             {"params": _abstract(params), "opt_state": _abstract(opt_state)}
+        saved_trees = {item: self.tree_metadata(step, item) for item in items}  # damage first: falls back
+        for item, target in items.items():
+            self._check_structure(step, item, saved_trees[item], target)
         arrays = self._read_arrays(step, items)
         verified = self._verify(step, meta, arrays)
         try:
@@ -224,32 +347,61 @@ class Checkpoints:
     def restore_newest(self, *, params: Any, opt_state: Any | None = None,
                        requested_config: dict[str, Any] | None = None, move_damaged: bool = False) -> Restored:
         """:meth:`restore` the newest step that is complete and intact. Each damaged newer step is recorded in
-        ``Restored.skipped`` and, with ``move_damaged`` (a writer), moved to ``checkpoints/damaged/``. Raises
-        :class:`NoCheckpointError` when no step is intact (naming why each one failed)."""
+        ``Restored.skipped`` and, with ``move_damaged`` (a writer), moved to ``checkpoints/damaged/`` once an older
+        step has been restored (a failed restore moves nothing). Raises :class:`NoCheckpointError` when no step is
+        intact (naming why each one failed); a :class:`CheckpointMismatchError` (an intact step saved for another
+        model or optimizer) ends the search at once, since older steps of the run have the same structure."""
         skipped: list[CheckpointDamaged] = []
         for step in reversed(self.all_steps()):
             try:
                 r = self.restore(step, params=params, opt_state=opt_state, requested_config=requested_config)
             except CheckpointDamaged as e:
                 skipped.append(e)
-                if move_damaged:
-                    self.move_aside(step, "damaged", str(e))
                 continue
+            if move_damaged:
+                for e in skipped:
+                    self.move_aside(e.step, "damaged", str(e))
             r.skipped = skipped
             return r
         why = "".join(f"\n  {e}" for e in skipped)
         raise NoCheckpointError(f"{self.directory}: no intact checkpoint to restore" + (why or " (none saved)"))
 
     def _read_arrays(self, step: int, items: dict[str, Any]) -> dict[str, Any]:
-        args = {k: ocp.args.StandardRestore(v) for k, v in items.items()}
+        """Read each item into its target (ShapeDtypeStructs with shardings), one item at a time so a failure
+        names the item it happened in."""
         # installed before the read, not after it fails: TensorStore's threads can report an abandoned read
         # (through sys.unraisablehook) before the failure reaches this thread (seen in CI)
         quiet_abandoned_reads()
+        out = {}
+        for item, target in items.items():
+            try:
+                out[item] = self.manager.restore(
+                    step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(target)}))[item]
+            except Exception as e:  # orbax / tensorstore / OS: truncated or garbage array files
+                raise CheckpointDamaged(step, f"{item}/", describe_error(e)) from e
+        return out
+
+    def _read_arrays_as_saved(self, step: int, item: str, saved: dict[Path_, dict[str, Any]]) -> Any:
+        """Read an item without a target, as host numpy arrays in the tree its ``_METADATA`` records (plain dicts
+        and lists): nothing depends on the ``_sharding`` file, which holds no data."""
+        quiet_abandoned_reads()
         try:
-            return dict(self.manager.restore(step, args=ocp.args.Composite(**args)))
-        except Exception as e:  # orbax / tensorstore / OS: truncated or garbage files, lost metadata
-            where = "/, ".join(items) + "/"
-            raise CheckpointDamaged(step, where, describe_error(e)) from e
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                return reader.restore(self.directory / str(step) / item,
+                                      args=ocp.args.PyTreeRestore(restore_args=_numpy_args(saved)))
+        except Exception as e:  # orbax / tensorstore / OS: truncated or garbage array files
+            raise CheckpointDamaged(step, f"{item}/", describe_error(e)) from e
+
+    def _unreadable_sharding(self, step: int, items: tuple[str, ...]) -> list[str]:
+        """The items whose ``_sharding`` file (where orbax records each array's device layout, data-free) is
+        missing or not JSON. Restores here never read it (every target carries its sharding)."""
+        bad = []
+        for item in items:
+            try:
+                json.loads((self.directory / str(step) / item / "_sharding").read_bytes())
+            except (OSError, ValueError):
+                bad.append(f"{item}/_sharding")
+        return bad
 
     @staticmethod
     def _verify(step: int, meta: dict[str, Any], arrays: dict[str, Any]) -> bool:
@@ -270,16 +422,24 @@ class Checkpoints:
         return True
 
     def verify(self, step: int) -> StepState:
-        """Read all of ``step`` (without a target: shapes from its own metadata) and check every digest."""
+        """Read all of ``step`` (without a target: the tree from its own metadata, as host arrays) and check every
+        digest. A missing or garbage ``_sharding`` file is a note, not damage: it holds no data, and no restore
+        here reads it."""
+        items = ("params", "opt_state")
         try:
             meta, _ = self.saved_meta(step), self.saved_config(step)
-            arrays = self._read_arrays(step, {"params": None, "opt_state": None})
+            saved = {item: self.tree_metadata(step, item) for item in items}
+            arrays = {item: self._read_arrays_as_saved(step, item, saved[item]) for item in items}
             verified = self._verify(step, meta, arrays)
         except CheckpointDamaged as e:
             return StepState(step, "damaged", f"{e.where}: {e.reason}")
         extra = meta.get("extra") or {}
-        return StepState(step, "ok" if verified else "unverified",
-                         "" if verified else "saved without digests (an older jaxgpt): read, not checked", extra)
+        notes = [] if verified else ["saved without digests (an older jaxgpt): read, not checked"]
+        bad = self._unreadable_sharding(step, items)
+        if bad:
+            notes.append(f"{', '.join(bad)} unreadable: ignored (layout only, no data; the arrays verified)"
+                         if verified else f"{', '.join(bad)} unreadable: ignored (layout only, no data)")
+        return StepState(step, "ok" if verified else "unverified", "; ".join(notes), extra)
 
     def states(self) -> list[StepState]:
         """Every step's state, oldest first: complete steps verified, interrupted saves as incomplete."""
