@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -249,12 +250,13 @@ def test_an_interrupted_export_leaves_the_old_one_whole(run, tmp_path, monkeypat
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(safetensors.numpy, "save_file", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(exportdir.ExportError, match=f"cannot write {hf}: disk full"):  # not a bare OSError
         export(run, to_hf=hf, step=20)
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
     monkeypatch.setattr(torch, "save", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(exportdir.ExportError, match="sd.pt: disk full") as e:
         export(run, to_torch=tmp_path / "sd.pt")
+    assert isinstance(e.value, OSError)  # still one, for callers of save_hf that catch OSError
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # no temporary files left
 
 
@@ -341,3 +343,135 @@ def test_generate_step_on_a_damaged_step_says_so(run, capsys):
     assert "newest intact step" in err
     assert "the newest intact step" in " ".join(generate.build_parser().format_help().split())
 
+
+# ---- exports: the run's own files, foreign files in our exports, unwritable targets, staging -------------------
+def _with_run_files(run: Path) -> dict[Path, bytes]:
+    files = {run / "config.yaml": b"model: tiny\n", run / "metrics.jsonl": b'{"step": 1}\n',
+             run / "summary.json": b"{}\n", run / ".jaxgpt.lock": b"host 1\n"}
+    for p, b in files.items():
+        p.write_bytes(b)
+    (run / "tensorboard").mkdir()
+    return files
+
+
+def test_overwrite_never_replaces_the_runs_own_files(run, capsys):
+    files = _with_run_files(run)
+    targets = [*files, run / "tensorboard", run / "checkpoints" / "30", run / "checkpoints" / "x.pt"]
+    for target in targets:
+        for option in ("--to-torch", "--to-hf"):
+            assert main(["export", str(run), option, str(target), "--overwrite"]) == 2, (option, target)
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and "not even with --overwrite" in err, err
+    assert {p: p.read_bytes() for p in files} == files and (run / "tensorboard").is_dir()
+    with Checkpoints(run, read_only=True) as c:
+        assert [s.state for s in c.states()] == ["ok"] * 3
+    # the hint for a file names a file, not an export-hf directory
+    assert main(["export", str(run), "--to-torch", str(run / "checkpoints" / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"{run.name}.pt" in err and "export-hf" not in err, err
+    # new paths inside the run, and our own exports there, are fine
+    assert main(["export", str(run), "--to-torch", str(run / "m.pt"), "--to-hf", str(run / "hf")]) == 0
+    assert main(["export", str(run), "--to-torch", str(run / "m.pt"), "--to-hf", str(run / "hf"),
+                 "--overwrite"]) == 0
+
+
+def test_our_export_with_added_files_is_not_ours(run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main(["export", str(run), "--to-hf", str(hf)]) == 0
+    assert sorted(json.loads((hf / exportdir.MARKER).read_text())["files"]) == sorted(
+        p.name for p in hf.iterdir() if p.name != exportdir.MARKER)
+    (hf / "notes.txt").write_text("mine")
+    (hf / "eval").mkdir()
+    assert main(["export", str(run), "--to-hf", str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert "other files were added (eval/, notes.txt)" in err and "Traceback" not in err, err
+    assert (hf / "notes.txt").read_text() == "mine"
+    # an export from before the marker listed its files: the files save_hf writes count as ours
+    m = json.loads((hf / exportdir.MARKER).read_text())
+    del m["files"]
+    (hf / exportdir.MARKER).write_text(json.dumps(m))
+    assert main(["export", str(run), "--to-hf", str(hf)]) == 2
+    (hf / "notes.txt").unlink()
+    (hf / "eval").rmdir()
+    assert main(["export", str(run), "--to-hf", str(hf)]) == 0
+    # inside the run directory, an export of ours with added files is refused even with --overwrite
+    inner = run / "hf"
+    assert main(["export", str(run), "--to-hf", str(inner)]) == 0
+    (inner / "notes.txt").write_text("mine")
+    assert main(["export", str(run), "--to-hf", str(inner), "--overwrite"]) == 2
+    assert (inner / "notes.txt").read_text() == "mine"
+    # outside it, --overwrite is consent
+    (hf / "notes.txt").write_text("mine")
+    assert main(["export", str(run), "--to-hf", str(hf), "--overwrite"]) == 0 and not (hf / "notes.txt").exists()
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir() or not Path("/dev/null").exists(), reason="needs Linux paths")
+def test_unwritable_targets_fail_before_loading_without_traceback(run, tmp_path, monkeypatch, capsys):
+    import sys
+
+    export_module = sys.modules["jaxgpt.checkpoint.export"]  # (the package's `export` is the function)
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the model before checking the target")
+
+    monkeypatch.setattr(export_module, "load_model_and_step", no_load)
+    for option, target in (("--to-hf", "/dev/null/x"), ("--to-torch", "/dev/null/x.pt"), ("--to-torch", "/sys/x.pt"),
+                           ("--to-hf", "/sys/x"), ("--to-torch", "/proc/x.pt")):
+        assert main(["export", str(run), option, target]) == 2, target
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {option} {target!r}: ") and "Traceback" not in err, err
+        assert "is not a directory" in err or "cannot create files in" in err, err
+
+
+def test_a_write_error_is_an_export_error(run, tmp_path, monkeypatch, capsys):
+    """An OSError while writing (after the target check passed) is a clear error with exit 2, nothing left."""
+    import safetensors.numpy
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    assert main(["export", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'hf'}: No space left on device" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_exports_get_the_umask_permissions(run, tmp_path):
+    old = os.umask(0o002)
+    try:
+        out = export(run, to_hf=tmp_path / "hf", to_torch=tmp_path / "m.pt")
+    finally:
+        os.umask(old)
+    assert (out["hf"].stat().st_mode & 0o777) == 0o775
+    assert (out["torch"].stat().st_mode & 0o777) == 0o664
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out["hf"].iterdir()} == {
+        p.name: oct(0o664) for p in out["hf"].iterdir()}
+
+
+def test_a_killed_export_leaves_staging_that_the_next_export_removes(run, tmp_path):
+    """SIGKILL mid-export leaves the hidden staging directory beside the target; the next export (a later
+    process) removes it; one whose process is alive, or that is not older than the current process, is kept."""
+    import signal
+    import subprocess
+    import sys
+
+    hf = tmp_path / "hf"
+    killed = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal; from pathlib import Path; from jaxgpt import exportdir\n"
+        f"with exportdir.staged_dir(Path({str(hf)!r}), exportdir.marker('hf')) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'half')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n")])
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith(".hf.tmp-")]
+    assert f"-{killed.pid}-" in left.name and (left / "model.safetensors").exists()
+    live = tmp_path / f".hf.tmp-{exportdir._host()}-{os.getpid()}-abcd1234"  # this (live) process's
+    live.mkdir()
+    old = os.stat(left).st_mtime - 3600
+    os.utime(live, (old, old))
+    assert exportdir.remove_stale_staging(hf) == []  # the killed one is newer than this process: kept
+    time.sleep(0.05)  # the next process starts measurably after the kill (its start time has a 10 ms tick)
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt.checkpoint", "export", str(run), "--to-hf", str(hf)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert not left.exists() and live.is_dir() and exportdir._is_our_dir(hf)

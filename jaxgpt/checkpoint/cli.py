@@ -59,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ex.add_argument("--to-hf", metavar="DIR", help="write a Hugging Face GPT-2 directory here (with tokenizer files)")
     ex.add_argument("--to-torch", metavar="FILE", help="write a torch_ref state_dict (torch.save) here")
     ex.add_argument("--overwrite", action="store_true",
-                    help="replace a target that is not an earlier export of ours (never the run's checkpoints)")
+                    help="replace a target that is not an earlier export of ours, or one to which files were "
+                    "added (never the run directory, its checkpoints or anything already in it)")
     args = parser.parse_args(argv)
     run_dir = _run_dir(parser, args)
     try:
@@ -71,6 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  overwrite=args.overwrite).items():
             print(f"wrote {kind}: {path}")
         return 0
-    except (ConfigError, ExportError, CheckpointDamaged, FileNotFoundError, ValueError) as e:
+    except (ConfigError, ExportError, CheckpointDamaged, OSError, ValueError) as e:  # all name the fix
         print(f"error: {e}", file=sys.stderr)
         return 2

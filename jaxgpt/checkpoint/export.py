@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxgpt.checkpoint.manager import Checkpoints, checkpoint_dir
+from jaxgpt.checkpoint.manager import Checkpoints
 from jaxgpt.config import GPTConfig
 
 
@@ -71,14 +71,18 @@ def export(run_dir: str | os.PathLike, *, to_hf: str | os.PathLike | None = None
     """Write a checkpoint (default: the newest intact one) as a Hugging Face GPT-2 directory and/or a torch_ref
     ``state_dict`` file. Both targets are checked before anything is read or written
     (:func:`jaxgpt.exportdir.check_target`: new, empty or an earlier export of ours unless ``overwrite``; never
-    the run directory or its checkpoints); each is written beside its target and renamed into place."""
+    the run directory, its checkpoints or anything already in it but an export of ours; a writable parent); each
+    is written beside its target and renamed into place. Refusals and write errors are
+    :class:`~jaxgpt.exportdir.ExportError`."""
     from jaxgpt import exportdir, weights
 
-    forbidden = [checkpoint_dir(run_dir)]
     hf = None if to_hf is None else exportdir.check_target(to_hf, kind="dir", overwrite=overwrite,
-                                                           forbidden=forbidden, option="--to-hf")
+                                                           run_dir=run_dir, option="--to-hf")
     pt = None if to_torch is None else exportdir.check_target(to_torch, kind="file", overwrite=overwrite,
-                                                              forbidden=forbidden, option="--to-torch")
+                                                              run_dir=run_dir, option="--to-torch")
+    if hf is not None and pt is not None and (pt.resolve() == hf.resolve() or hf.resolve() in pt.resolve().parents):
+        raise exportdir.ExportError(f"--to-torch {str(to_torch)!r} is inside --to-hf {str(to_hf)!r}, which the "
+                                    "Hugging Face export replaces as a whole; put the state_dict elsewhere")
     model, loaded = load_model_and_step(run_dir, step=step, report=report)
     source = {"run_dir": str(Path(run_dir).absolute()), "step": loaded}
     out: dict[str, Path] = {}
