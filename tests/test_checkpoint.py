@@ -166,3 +166,25 @@ def test_export_to_hf_and_torch(tmp_path, trained, capsys):
     assert (tmp_path / "cli.pt").is_file() and "wrote torch" in capsys.readouterr().out
     assert main(["export", "--run-dir", str(tmp_path / "missing"), "--to-hf", str(tmp_path / "x")]) == 2
     assert "no checkpoints here" in capsys.readouterr().err
+
+
+def test_keep_best_survives_a_restart(tmp_path):
+    """keep_best keeps the step with the lowest val_loss besides the newest ``keep``, also after the manager is
+    reopened (a resumed run): the val losses are written beside each step, so a new manager still knows which
+    older step is the best and keep-K does not delete it."""
+    import jax.numpy as jnp
+
+    tree = {"w": jnp.arange(4.0)}
+
+    def save(c, step, val):
+        c.save(step, params=tree, opt_state=tree, config={}, metrics=None if val is None else {"val_loss": val})
+
+    with Checkpoints(tmp_path, keep=1, async_save=False, keep_best=True) as c:
+        for step, val in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 4.0)):
+            save(c, step, val)
+        assert c.all_steps() == [2, 4]
+    with Checkpoints(tmp_path, keep=1, async_save=False, keep_best=True) as c:  # the resumed run
+        save(c, 5, None)  # the final step may have no val loss of its own
+        assert c.all_steps() == [2, 5]
+        save(c, 6, 0.5)  # a new best replaces the old one
+        assert c.all_steps() == [6]

@@ -206,6 +206,9 @@ class Checkpoints:
             item_names=ITEMS,
             options=ocp.CheckpointManagerOptions(
                 preservation_policy=None if read_only else policy,
+                # with keep_best, orbax writes each step's metrics (val_loss) beside it only when best_fn is set:
+                # without them a restarted run no longer knows which older step was the best, and deletes it
+                best_fn=(lambda m: m["val_loss"]) if keep_best else None, best_mode="min",
                 enable_async_checkpointing=async_save,
                 create=not read_only,
                 read_only=read_only,
