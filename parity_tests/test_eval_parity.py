@@ -24,8 +24,8 @@ ITEMS = [  # (context, four endings, label): realistic English, lengths from 5 t
      "jumps into a swimming pool full of oranges.", "reads the newspaper to the ladder.",
      "begins to paint the window frames a dark shade of green, working slowly from left to right."], 0),
     ("The chef cracks two eggs into a steel bowl and", ["whisks them.", "throws the bowl through the window.",
-     "sings to the microwave while the toaster dances.", "places the shells in the compost bin before adding a "
-     "pinch of salt and beating the mixture until it turns pale and frothy."], 3),
+     "sings to the microwave while the toaster dances.", ("places the shells in the compost bin before adding a "
+     "pinch of salt and beating the mixture until it turns pale and frothy.")], 3),
     ("A woman in a red jacket walks her dog along the beach at sunset. The dog", ["runs into the waves and barks.",
      "flies over the ocean.", "files a tax return.", "rolls in the sand."], 0),
     ("Two kids are playing soccer in a park while their parents watch from a bench. One of them", [

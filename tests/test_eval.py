@@ -1,11 +1,13 @@
 """jaxgpt.eval: HellaSwag items and scoring mechanics, val-loss and bits per byte, the command line, the training
-hook, and the complete Hugging Face export (tokenizer files). The scores themselves are checked against torch_ref
-and transformers in parity_tests/test_eval_parity.py and test_lm_eval_parity.py."""
+hook, and the complete Hugging Face export (tokenizer files). The scores themselves are checked against
+torch_ref and transformers in parity_tests/test_eval_parity.py and test_lm_eval_parity.py."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -47,28 +49,52 @@ def model() -> GPT:
 @pytest.mark.parametrize("line, match", [
     ("{not json", "not JSON"), (json.dumps({**ITEM, "ctx": ""}), "'ctx' must be a non-empty string"),
     (json.dumps({**ITEM, "endings": ["a", "b"]}), "'endings' must be a list of 4 strings"),
-    (json.dumps({**ITEM, "label": 4}), r"'label' must be an integer in \[0, 4\)"),
-    (json.dumps({**ITEM, "label": ""}), r"'label' .*\(the test split has no labels")])
+    (json.dumps({**ITEM, "label": 4}), r"'label' must be an integer in \[0, 4\) .*, got 4$"),
+    (json.dumps({**ITEM, "label": "7"}), r"'label' must be an integer in \[0, 4\) .*, got 7$"),
+    (json.dumps({**ITEM, "label": "one"}), r"'label' must be an integer in \[0, 4\) .*, got 'one'$"),
+    (json.dumps({**ITEM, "label": True}), r"'label' must be an integer in \[0, 4\) .*, got True$"),
+    (json.dumps({**ITEM, "label": ""}), r"'label' is missing or empty \(the test split has no labels"),
+    (json.dumps({k: v for k, v in ITEM.items() if k != "label"}), r"'label' is missing or empty \(the test split")])
 def test_malformed_items_name_the_line(line, match):
     with pytest.raises(EvalError, match=f"items.jsonl:2: {match}"):
         hellaswag.parse([json.dumps(ITEM), line], source="items.jsonl")
+
+
+def test_string_labels_as_hugging_face_stores_them():
+    rows = [{**ITEM, "label": str(k), "ind": k} for k in range(4)]  # Rowan/hellaswag: "label": "1"
+    items = hellaswag.parse([json.dumps(r) for r in rows], source="hf.jsonl")
+    assert [it.label for it in items] == [0, 1, 2, 3] and items[1].origin == "hf.jsonl:2"
 
 
 def test_find_or_download(tmp_path):
     def offline(url, timeout):
         raise OSError("network unreachable")
 
+    def cut_short(url, timeout):  # the connection closed before Content-Length bytes: not an OSError
+        raise http.client.IncompleteRead(b"{", 1000)
+
     with pytest.raises(EvalError, match=r"could not be downloaded \(network unreachable\).*pass --data"):
         hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=offline)
+    with pytest.raises(EvalError, match=r"could not be downloaded \(IncompleteRead.*pass --data"):
+        hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=cut_short)
     with pytest.raises(EvalError, match="not JSON"):  # a captive portal's page is not the dataset
         hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: b"<html>login</html>\n")
-    body = (json.dumps(ITEM) + "\n").encode()
-    path = hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: body)
-    assert path == tmp_path / "hellaswag_val.jsonl" and path.read_bytes() == body
+    good = "".join(json.dumps({**ITEM, "ind": i}) + "\n" for i in range(5)).encode()
+    truncated = good[: good.rindex(b'"label"')]  # four whole items, then half of the fifth
+    with pytest.raises(EvalError, match=r"hellaswag_val.jsonl:5: not JSON .*incomplete or not the dataset; "
+                                        r"nothing was cached"):
+        hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: truncated)
+    with pytest.raises(EvalError, match="not UTF-8"):
+        hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: b"\xff\xfe" + good)
+    assert list(tmp_path.iterdir()) == []  # nothing cached, not even a temporary file
+    path = hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=lambda u, t: good)
+    assert path == tmp_path / "hellaswag_val.jsonl" and path.read_bytes() == good
     assert hellaswag.find_or_download(None, cache_dir=tmp_path, fetch=offline) == path  # cached: no network
     assert hellaswag.find_or_download(tmp_path / "x.jsonl") == tmp_path / "x.jsonl"
     with pytest.raises(EvalError, match="does not exist"):
         hellaswag.load(tmp_path / "x.jsonl")
+    with pytest.raises(EvalError, match="is a directory; pass the jsonl file itself"):
+        hellaswag.load(tmp_path)
 
 
 def test_render_pad_and_truncation():
@@ -82,6 +108,13 @@ def test_render_pad_and_truncation():
     rows, ctx_len, cut = hellaswag.render(item, encode, 12)
     assert cut and max(map(len, rows)) == 12 and ctx_len == 12 - max(len(encode(" " + e)) for e in ITEM["endings"])
     assert hellaswag.bucket(33, 32, 1024) == 64 and hellaswag.bucket(33, 32, 40) == 40 and hellaswag.bucket(5, 16, 64) == 16
+    long_ending = [json.dumps({**ITEM, "ind": 3, "endings": ["x " * 20] * 4}),
+                   json.dumps({k: v for k, v in ITEM.items() if k != "ind"} | {"endings": ["x " * 20] * 4})]
+    first, second = hellaswag.parse(long_ending, source="items.jsonl")
+    with pytest.raises(EvalError, match=r"^HellaSwag item 3 \(items.jsonl:1\): an ending alone is longer"):
+        hellaswag.render(first, encode, 12)
+    with pytest.raises(EvalError, match=r"^HellaSwag item at items.jsonl:2: an ending alone is longer"):
+        hellaswag.render(second, encode, 12)
 
 
 def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path):
@@ -95,8 +128,19 @@ def test_scores_do_not_depend_on_batching_and_compile_per_bucket(model, tmp_path
     assert four._fn._cache_size() == 1  # all of these fit one (32-token context, 16-token ending) bucket pair
     s = four.evaluate(items, params=nnx.state(model, nnx.Param))
     assert s["n"] == 6 and s["acc"] == sum(r["correct"] for r in one) / 6 and four._fn._cache_size() == 1
-    other = nnx.state(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(1)), nnx.Param)
-    assert four.evaluate(items, params=other)["items_per_s"] > 0 and four._fn._cache_size() == 1
+    other_model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(1))
+    seen = []  # what evaluate scored: the results behind its summary
+    score = four.score
+    four.score = lambda *a, **k: seen.append(score(*a, **k)) or seen[-1]
+    assert four.evaluate(items, params=nnx.state(other_model, nnx.Param))["items_per_s"] > 0
+    assert four._fn._cache_size() == 1
+    theirs = hellaswag.Scorer(other_model, batch_size=4).score(items)
+    for a, b, mine in zip(seen[-1], theirs, again):  # the other params' losses, not the model's own
+        np.testing.assert_allclose(a["sum_losses"], b["sum_losses"], rtol=1e-5)
+        assert not np.allclose(a["sum_losses"], mine["sum_losses"], rtol=1e-3)
+    four.evaluate(items)  # and back to the model's own without params
+    for a, mine in zip(seen[-1], again):
+        np.testing.assert_allclose(a["sum_losses"], mine["sum_losses"], rtol=1e-6)
 
 
 def test_val_loss_and_bits_per_byte(model, shakespeare):
@@ -135,17 +179,85 @@ def test_command_line(tmp_path, capsys, shakespeare):
         assert match in err and "Traceback" not in err
 
 
-def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys, shakespeare):
+def test_command_line_checks_outputs_and_data_before_loading_the_model(tmp_path, capsys, monkeypatch, shakespeare):
+    data = write_items(tmp_path / "items.jsonl", 3)
+    loads = []
+    real_load = cli.load_model
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    hs = ["--task", "hellaswag", "--init-from", "random:tiny", "--no-progress"]
+    (tmp_path / "a_file").write_text("")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    bad_item = tmp_path / "bad.jsonl"
+    bad_item.write_text(json.dumps(ITEM) + "\n" + json.dumps({**ITEM, "label": 9}) + "\n")
+    cases = [([*hs, "--data", str(data), "--json", str(tmp_path / "a_file" / "sub" / "s.json")],
+              "--json " + str(tmp_path / "a_file" / "sub" / "s.json") + ": cannot create its directory"),
+             ([*hs, "--data", str(data), "--out", str(tmp_path)], f"--out {tmp_path}: is a directory"),
+             ([*hs, "--data", str(data), "--out", str(tmp_path / "r.jsonl"), "--json", str(tmp_path / "r.jsonl")],
+              "--out and --json are the same file"),
+             ([*hs, "--data", str(tmp_path)], "is a directory; pass the jsonl file itself"),
+             ([*hs, "--data", str(bad_item)], "bad.jsonl:2: 'label' must be an integer in [0, 4)"),
+             ([*hs, "--data", str(data), "--seq-len", "16"], "--seq-len applies to --task val-loss only"),
+             (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(shakespeare), "--out",
+               str(tmp_path / "r.jsonl")], "--out (per-item results) applies to --task hellaswag only"),
+             (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(tmp_path / "none")], "does not exist"),
+             (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(tmp_path)], "no val shards in")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append(([*hs, "--data", str(data), "--json", str(read_only / "s.json")], "s.json: not writable"))
+    for argv, match in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert match in err and "Traceback" not in err, (argv, err)
+    assert loads == []  # every one refused before the model was loaded
+    for flag in ("--batch-size", "--limit", "--seq-len"):
+        with pytest.raises(SystemExit) as e:
+            cli.main([*hs, "--data", str(data), flag, "0"])
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    nested = tmp_path / "new" / "sub"  # outputs' directories are made, before the scoring
+    assert cli.main([*hs, "--data", str(data), "--json", str(nested / "s.json"), "--out", str(nested / "r.jsonl")]) == 0
+    assert json.loads((nested / "s.json").read_text())["n"] == 3 and len((nested / "r.jsonl").read_text().split()) > 3
+    assert len(loads) == 1
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys, monkeypatch, shakespeare):
+    import matplotlib.figure
+
     from jaxgpt.train import main, read_metrics
+    from jaxgpt.train.metrics import plot_losses
 
     data = write_items(tmp_path / "items.jsonl", 4)
     base = ["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={shakespeare}",
             "--max_steps=4", "--eval_interval=0", "--checkpoint_interval=0"]
+    panels = []  # each saved figure's axes: (y label, the x data of each line)
+    savefig = matplotlib.figure.Figure.savefig
+
+    def spy(fig, *a, **k):
+        panels.append([(ax.get_ylabel(), [list(line.get_xdata()) for line in ax.get_lines()]) for ax in fig.axes])
+        return savefig(fig, *a, **k)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
     assert main([*base, f"--out_dir={tmp_path / 'run'}", "--hellaswag_interval=2", f"--hellaswag_file={data}"]) == 0
     hs = [r for r in read_metrics(tmp_path / "run") if r["type"] == "hellaswag"]
     assert [r["step"] for r in hs] == [2, 4] and all(r["n"] == 4 and 0 <= r["acc_norm"] <= 1 for r in hs)
     assert "HellaSwag acc_norm" in capsys.readouterr().out
-    assert (tmp_path / "run" / "loss.png").stat().st_size > 0
+    (loss_label, _), (hs_label, hs_lines) = panels[-1]  # two panels: the losses, then HellaSwag
+    assert loss_label.startswith("loss") and hs_label == "HellaSwag accuracy"
+    assert hs_lines[:2] == [[2, 4], [2, 4]]  # acc_norm and acc at the scored steps (then the chance line)
+    without = tmp_path / "without"  # the same run's metrics less the HellaSwag rows: one panel, a narrower image
+    without.mkdir()
+    (without / "metrics.jsonl").write_text("".join(
+        line + "\n" for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line).get("type") != "hellaswag"))
+    plot_losses(without)
+    assert [label for label, _ in panels[-1]] == [loss_label]
+    assert png_size(tmp_path / "run" / "loss.png")[0] > 1.5 * png_size(without / "loss.png")[0]
     assert main([*base, f"--out_dir={tmp_path / 'run2'}", "--hellaswag_interval=2",
                  f"--hellaswag_file={tmp_path / 'missing.jsonl'}"]) == 2
     err = capsys.readouterr().err
@@ -158,9 +270,30 @@ TEXTS = ["Hello, I'm a language model,", "  two  spaces and\ttabs\n\nnew lines",
          "end<|endoftext|>next", "", "'''quotes''' and 1234567 digits"]
 
 
-def test_the_exported_tokenizer_gives_our_ids(model, tmp_path, monkeypatch):
-    import warnings
+class TransformersLog:
+    """transformers' log records (it logs through ``logging``, not ``warnings``, and does not propagate to the
+    root logger, so neither ``warnings.simplefilter('error')`` nor caplog sees them)."""
 
+    def __init__(self):
+        import logging
+
+        self.records: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.records.append(record.getMessage())
+        self.logger = logging.getLogger("transformers")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+    def out_of_vocabulary(self) -> list[str]:
+        return [r for r in self.records if "within the vocabulary" in r]
+
+
+def test_the_exported_tokenizer_gives_our_ids(model, tmp_path, monkeypatch):
     from transformers import AutoTokenizer, GPT2LMHeadModel, pipeline
 
     from jaxgpt.weights import save_hf
@@ -172,13 +305,27 @@ def test_the_exported_tokenizer_gives_our_ids(model, tmp_path, monkeypatch):
         assert tok(text)["input_ids"] == encode(text, allow_eot=True), text  # HF reads <|endoftext|> as special
         assert tok.decode(encode(text)) == text
     assert tok.eos_token_id == tok.bos_token_id == EOT_TOKEN
-    gen = pipeline("text-generation", model=str(out), tokenizer=str(out), device="cpu")
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": EOT_TOKEN,
+                                                                         "eos_token_id": EOT_TOKEN}
+    gen = pipeline("text-generation", model=str(out), device="cpu")  # its tokenizer found in the directory
+    assert gen.tokenizer.eos_token_id == EOT_TOKEN
     text = gen("Hello, I'm", max_new_tokens=3, do_sample=False)[0]["generated_text"]
     assert text.startswith("Hello, I'm") and len(text) > len("Hello, I'm")
 
     small = GPT(GPTConfig.preset("tiny", vocab_size=512), rngs=nnx.Rngs(0))  # no room for <|endoftext|>
-    config = json.loads((save_hf(small, tmp_path / "small") / "config.json").read_text())
+    small_dir = save_hf(small, tmp_path / "small")
+    config = json.loads((small_dir / "config.json").read_text())
     assert config["bos_token_id"] is None and config["eos_token_id"] is None
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # transformers warned about ids outside the vocabulary
-        GPT2LMHeadModel.from_pretrained(tmp_path / "small")
+    assert json.loads((small_dir / "generation_config.json").read_text()) == {}
+    with TransformersLog() as log:
+        GPT2LMHeadModel.from_pretrained(small_dir)
+        pipeline("text-generation", model=str(small_dir), device="cpu")
+    assert log.out_of_vocabulary() == [], log.records
+    # the check can fail: the same directory with GPT-2's ids written in makes transformers log that warning
+    for name in ("config.json", "generation_config.json"):
+        d = json.loads((small_dir / name).read_text())
+        (small_dir / name).write_text(json.dumps({**d, "bos_token_id": EOT_TOKEN, "eos_token_id": EOT_TOKEN}))
+    with TransformersLog() as log:
+        GPT2LMHeadModel.from_pretrained(small_dir)
+    assert any("eos_token_id" in r for r in log.out_of_vocabulary()), log.records
+

@@ -3,13 +3,17 @@
     python -m jaxgpt.eval --task hellaswag --init-from gpt2 [--data hellaswag_val.jsonl] [--limit 500] [--out r.jsonl]
     python -m jaxgpt.eval --task val-loss --init-from runs/shakespeare-cpu --data data_cache/shakespeare
 
-Prints a summary line and the summary as one line of JSON (also written to ``--json FILE``).
+Prints a summary line and the summary as one line of JSON (also written to ``--json FILE``). Everything that can
+be checked without the model is checked before it is loaded: the options, the data (HellaSwag items are read, or
+downloaded, and parsed; the shard directory and its split are found) and the output files (their directories are
+made; an output that cannot be written is an error then, not after the scoring).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,51 +22,99 @@ from pathlib import Path
 from jaxgpt.eval.common import EvalError, load_model
 
 
+def _int_at_least(minimum: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}")
+        return v
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxgpt.eval", description=__doc__.split("\n")[0])
     p.add_argument("--task", required=True, choices=["hellaswag", "val-loss"])
     p.add_argument("--init-from", required=True,
                    help="a training run directory, a Hugging Face GPT-2 directory or name (gpt2, ...), or "
                         "random:PRESET")
-    p.add_argument("--step", type=int, default=None, help="with a run directory: this checkpoint step")
+    p.add_argument("--step", type=_int_at_least(0), default=None, help="with a run directory: this checkpoint step")
     p.add_argument("--data", default=None,
                    help="hellaswag: the official jsonl (default: the cached val split, downloaded where a network "
                         "is reachable); val-loss: a prepared shard directory (required)")
-    p.add_argument("--split", default="val", help="val-loss: the split (train or val; default val)")
+    p.add_argument("--split", default="val", choices=["train", "val"], help="val-loss: the split (default val)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32")
-    p.add_argument("--batch-size", type=int, default=8, help="items (hellaswag) or sequences (val-loss) per batch")
-    p.add_argument("--seq-len", type=int, default=None, help="val-loss: tokens per sequence (default: block size)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N items / batches")
+    p.add_argument("--batch-size", type=_int_at_least(1), default=8,
+                   help="items (hellaswag) or sequences (val-loss) per batch")
+    p.add_argument("--seq-len", type=_int_at_least(1), default=None,
+                   help="val-loss: tokens per sequence (default: block size)")
+    p.add_argument("--limit", type=_int_at_least(1), default=None, help="only the first N items / batches")
     p.add_argument("--out", default=None, help="hellaswag: write each item's result here (jsonl)")
     p.add_argument("--json", default=None, help="also write the summary JSON here")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
-def run(args: argparse.Namespace) -> dict:
+def check_output(path: str, flag: str) -> Path:
+    """``path`` as an output file: its directory made (with parents) and writable, and not a directory itself."""
+    out = Path(path)
+    if out.is_dir():
+        raise EvalError(f"{flag} {path}: is a directory; give a file name")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EvalError(f"{flag} {path}: cannot create its directory ({e})") from None
+    if not os.access(out.parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise EvalError(f"{flag} {path}: not writable")
+    return out
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    """What the run needs before the model: the outputs checked, and the data (items, or the shards' split)."""
+    outputs = {flag: check_output(path, flag) for flag, path in (("--out", args.out), ("--json", args.json)) if path}
+    if len(outputs) == 2 and outputs["--out"].resolve() == outputs["--json"].resolve():
+        raise EvalError(f"--out and --json are the same file ({args.out}): give two")
+    if args.task == "hellaswag":
+        from jaxgpt.eval import hellaswag
+
+        if args.seq_len is not None:
+            raise EvalError("--seq-len applies to --task val-loss only")
+        path = hellaswag.find_or_download(args.data)
+        return {"outputs": outputs, "data": path, "items": hellaswag.load(path, limit=args.limit)}
+    if args.out:
+        raise EvalError("--out (per-item results) applies to --task hellaswag only; use --json for the summary")
+    if args.data is None:
+        raise EvalError("--task val-loss needs --data DIR, a directory of prepared shards "
+                        "(python -m jaxgpt.data ... --out DIR)")
+    if not Path(args.data).exists() and not any(c in args.data for c in "*?["):  # (a glob of .bin files is fine)
+        raise EvalError(f"--data {args.data}: does not exist; --task val-loss needs a directory of prepared shards")
+    from jaxgpt.data import find_shards
+
+    find_shards(args.data, args.split)  # a DataError naming what is missing
+    return {"outputs": outputs, "data": args.data}
+
+
+def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
+    prepared = prepare(args) if prepared is None else prepared
     model = load_model(args.init_from, precision=args.precision, step=args.step)
     if args.task == "hellaswag":
         from jaxgpt.eval import hellaswag
 
-        path = hellaswag.find_or_download(args.data)
-        items = hellaswag.load(path, limit=args.limit)
         scorer = hellaswag.Scorer(model, batch_size=args.batch_size)
         t0 = time.perf_counter()
-        results = scorer.score(items, progress=not args.no_progress)
+        results = scorer.score(prepared["items"], progress=not args.no_progress)
         summary = hellaswag.summarize(results, seconds=time.perf_counter() - t0)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
-        summary.update(task="hellaswag", data=str(path))
+        if "--out" in prepared["outputs"]:
+            prepared["outputs"]["--out"].write_text("".join(json.dumps(r) + "\n" for r in results))
+        summary.update(task="hellaswag", data=str(prepared["data"]))
     else:
         from jaxgpt.eval import val_loss
 
-        if args.data is None:
-            raise EvalError("--task val-loss needs --data DIR, a directory of prepared shards "
-                            "(python -m jaxgpt.data ... --out DIR)")
-        summary = val_loss.evaluate(model, args.data, split=args.split, batch_size=args.batch_size,
+        summary = val_loss.evaluate(model, prepared["data"], split=args.split, batch_size=args.batch_size,
                                     seq_len=args.seq_len, limit=args.limit, progress=not args.no_progress)
-        summary.update(task="val-loss", data=str(args.data))
+        summary.update(task="val-loss", data=str(prepared["data"]))
     summary.update(init_from=args.init_from, precision=args.precision)
     return summary
 
@@ -78,12 +130,13 @@ def headline(s: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        summary = run(args)
-    except (EvalError, ValueError, OSError) as e:  # GenerateError, DataError, missing files, ...
+        prepared = prepare(args)
+        summary = run(args, prepared)
+        print(headline(summary))
+        print(json.dumps(summary))
+        if "--json" in prepared["outputs"]:
+            prepared["outputs"]["--json"].write_text(json.dumps(summary, indent=2) + "\n")
+    except (EvalError, ValueError, OSError, ImportError) as e:  # GenerateError, DataError, unwritable files, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(headline(summary))
-    print(json.dumps(summary))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
     return 0

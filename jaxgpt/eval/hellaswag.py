@@ -4,7 +4,8 @@ Each item is a context and four endings, one of them right (``label``). Every en
 (``ctx`` tokens, then the tokens of ``" " + ending``) and the model's loss of the ending's tokens is summed and
 averaged. The prediction is the ending with the lowest summed loss (``acc``) and with the lowest *average* loss
 (``acc_norm``, length-normalised: the number build-nanogpt reports, 29.55% for OpenAI's gpt2 124M). Items come
-from the official ``rowanz/hellaswag`` jsonl files (fields ``ctx``, ``endings``, ``label``, ``ind``, ...).
+from the official ``rowanz/hellaswag`` jsonl files (fields ``ctx``, ``endings``, ``label``, ``ind``, ...); Hugging
+Face's ``Rowan/hellaswag`` rows, whose labels are strings (``"1"``), are read as well.
 
 Scoring is batched and jitted, and the four endings share their context: ``batch_size`` items at a time, the
 contexts run once (padded to a multiple of :data:`CTX_BUCKET` tokens) filling a KV cache, then each item's four
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import http.client
 import json
 import math
 import time
@@ -43,6 +45,13 @@ class Item:
     endings: tuple[str, ...]
     label: int
     ind: int | None = None
+    origin: str | None = None  # "file:line" it was read from
+
+    def name(self) -> str:
+        """How messages name the item: its ``ind``, and where it was read from."""
+        if self.ind is None:
+            return f"HellaSwag item at {self.origin}" if self.origin else "HellaSwag item"
+        return f"HellaSwag item {self.ind}" + (f" ({self.origin})" if self.origin else "")
 
 
 def parse(lines: Iterable[str], *, source: str = "<items>", limit: int | None = None) -> list[Item]:
@@ -65,22 +74,41 @@ def parse(lines: Iterable[str], *, source: str = "<items>", limit: int | None = 
             raise EvalError(f"{source}:{n}: 'ctx' must be a non-empty string (is this a HellaSwag jsonl file?)")
         if not (isinstance(endings, list) and len(endings) == N_ENDINGS and all(isinstance(e, str) for e in endings)):
             raise EvalError(f"{source}:{n}: 'endings' must be a list of {N_ENDINGS} strings")
+        if isinstance(label, str) and label.strip().isdigit():  # Hugging Face's Rowan/hellaswag: "0".."3"
+            label = int(label)
+        if label is None or label == "":
+            raise EvalError(f"{source}:{n}: 'label' is missing or empty (the test split has no labels: use the val "
+                            "split)")
         if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < N_ENDINGS:
-            raise EvalError(f"{source}:{n}: 'label' must be an integer in [0, {N_ENDINGS}) (the test split has no "
-                            "labels: use the val split)")
-        items.append(Item(ctx, tuple(endings), label, d.get("ind")))
+            raise EvalError(f"{source}:{n}: 'label' must be an integer in [0, {N_ENDINGS}) (or its string, as "
+                            f"Hugging Face's Rowan/hellaswag stores it), got {label!r}")
+        items.append(Item(ctx, tuple(endings), label, d.get("ind"), f"{source}:{n}"))
     return items
 
 
 def load(path: str | Path, *, limit: int | None = None) -> list[Item]:
-    path = Path(path)
-    if not path.is_file():
-        raise EvalError(f"HellaSwag file {str(path)!r} does not exist; download {URL.format(split='val')}")
-    with open(path, encoding="utf-8") as f:
-        items = parse(f, source=str(path), limit=limit)
+    path = check_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            items = parse(f, source=str(path), limit=limit)
+    except UnicodeDecodeError as e:
+        raise EvalError(f"HellaSwag file {str(path)!r} is not UTF-8 text ({e}); expected the official jsonl") from None
+    except OSError as e:
+        raise EvalError(f"HellaSwag file {str(path)!r} cannot be read: {e}") from None
     if not items:
         raise EvalError(f"{path}: no HellaSwag items")
     return items
+
+
+def check_file(path: str | Path) -> Path:
+    """``path``, if it is a file; else an :class:`EvalError` saying what it is instead."""
+    path = Path(path)
+    if path.is_dir():
+        raise EvalError(f"HellaSwag file {str(path)!r} is a directory; pass the jsonl file itself "
+                        f"(e.g. {path / 'hellaswag_val.jsonl'})")
+    if not path.is_file():
+        raise EvalError(f"HellaSwag file {str(path)!r} does not exist; download {URL.format(split='val')}")
+    return path
 
 
 def find_or_download(data: str | Path | None, *, split: str = "val", cache_dir: Path | None = None,
@@ -96,13 +124,25 @@ def find_or_download(data: str | Path | None, *, split: str = "val", cache_dir: 
     if path.is_file():
         return path
     url = URL.format(split=split)
+    fix = f"download it elsewhere and pass --data PATH/hellaswag_{split}.jsonl (or put it at {path})"
     try:
         body = (fetch or data_lib.fetch_url)(url, 30.0)
-    except (OSError, ValueError) as e:
-        raise EvalError(f"no HellaSwag file given and {url} could not be downloaded ({e}); download it elsewhere "
-                        f"and pass --data PATH/hellaswag_{split}.jsonl (or put it at {path})") from None
-    parse(body.decode("utf-8").splitlines(), source=url, limit=3)  # a page that is not the dataset: refuse it
-    data_lib.atomic_write_bytes(path, body)
+    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts, IncompleteRead, ...
+        raise EvalError(f"no HellaSwag file given and {url} could not be downloaded ({str(e) or type(e).__name__}); "
+                        f"{fix}") from None
+    try:  # all of it, before it is cached: a truncated download or a page that is not the dataset is refused
+        items = parse(body.decode("utf-8").splitlines(), source=url)
+    except UnicodeDecodeError:
+        raise EvalError(f"{url}: the download is not UTF-8 text, so not the HellaSwag jsonl; {fix}") from None
+    except EvalError as e:
+        raise EvalError(f"{e} (the download is incomplete or not the dataset; nothing was cached); {fix}") from None
+    if not items:
+        raise EvalError(f"{url}: the download holds no HellaSwag items; {fix}")
+    try:
+        data_lib.atomic_write_bytes(path, body)
+    except OSError as e:
+        raise EvalError(f"cannot write the downloaded HellaSwag file to {path} ({e}); set JAXGPT_CACHE_DIR, or "
+                        f"save it elsewhere and pass --data") from None
     return path
 
 
@@ -114,7 +154,7 @@ def render(item: Item, encode: Callable[[str], list[int]], block_size: int) -> t
     longest = len(ctx) + max(len(e) for e in ends)
     cut = max(0, longest - block_size)
     if cut >= len(ctx):
-        raise EvalError(f"HellaSwag item {item.ind}: an ending alone is longer than the block size {block_size}")
+        raise EvalError(f"{item.name()}: an ending alone is longer than the block size {block_size}")
     ctx = ctx[cut:]
     return [ctx + e for e in ends], len(ctx), cut > 0
 
@@ -232,10 +272,11 @@ def _ending_losses(graphdef, state, ctx, ctx_len, end, end_len):
 
 
 def _with_params(graphdef: Any, state: Any, params: Any) -> Any:
-    """The model's state with its ``nnx.Param`` leaves replaced by ``params``."""
+    """The model's state with its ``nnx.Param`` leaves replaced by ``params``; ``state`` itself is left as it is
+    (merged without ``copy``, the model's Variables would be ``state``'s own, and the update would write into it)."""
     from flax import nnx
 
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state, copy=True)
     nnx.update(model, params)
     return nnx.state(model)
 
