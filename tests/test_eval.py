@@ -1,5 +1,6 @@
 """jaxgpt.eval: HellaSwag items and scoring mechanics, val-loss and bits per byte, the command line, the training
-hook, and the complete Hugging Face export (tokenizer files). The scores themselves are checked against
+hook, the complete Hugging Face export (tokenizer files), and the lm-eval model's mechanics (its command line,
+registration, model_args, generation's shapes and stopping rule). The scores themselves are checked against
 torch_ref and transformers in parity_tests/test_eval_parity.py and test_lm_eval_parity.py."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import http.client
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,7 @@ from flax import nnx
 from jaxgpt.config import GPTConfig
 from jaxgpt.eval import EvalError, cli, hellaswag, val_loss
 from jaxgpt.model import GPT
-from jaxgpt.tokenizer import EOT_TOKEN, encode
+from jaxgpt.tokenizer import EOT_TOKEN, decode, encode
 
 REPO = Path(__file__).resolve().parent.parent
 ITEM = {"ind": 7, "ctx": "A man is sitting on a roof. He", "label": 2, "split": "val",
@@ -329,3 +332,219 @@ def test_the_exported_tokenizer_gives_our_ids(model, tmp_path, monkeypatch):
         GPT2LMHeadModel.from_pretrained(small_dir)
     assert any("eos_token_id" in r for r in log.out_of_vocabulary()), log.records
 
+
+# ---- the lm-eval model (jaxgpt.eval.harness) -------------------------------------------------------------------
+MC_TASK = """output_type: multiple_choice
+doc_to_text: "{{ctx}}"
+doc_to_choice: "{{endings}}"
+doc_to_target: "{{label}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+GEN_TASK = """output_type: generate_until
+doc_to_text: "{{ctx}}"
+doc_to_target: "{{endings[0]}}"
+generation_kwargs:
+  until: ["\\n\\n"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def lm_eval_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_the_harness_command_line_as_documented(model, tmp_path):
+    """``python -m jaxgpt.eval.harness --model jaxgpt --model_args pretrained=DIR,batch_size=N`` (README's form:
+    lm-eval's command line also passes its own batch_size, which used to make it a TypeError), on a local task."""
+    pytest.importorskip("lm_eval")
+    from jaxgpt.weights import save_hf
+
+    export = save_hf(model, tmp_path / "hf")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    rows = [{"ctx": "The capital of France is", "endings": [" Paris.", " a banana."], "label": 0},
+            {"ctx": "Cats like to chase", "endings": [" mice.", " taxes."], "label": 0},
+            {"ctx": "Once upon a", "endings": [" time", " spoon"], "label": 0}]
+    (tasks / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, body in (("jaxgpt_cli_mc", MC_TASK), ("jaxgpt_cli_gen", GEN_TASK)):
+        (tasks / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {tasks / 'items.jsonl'}\ntest_split: test\n{body}")
+    argv = ["--model", "jaxgpt", "--model_args", f"pretrained={export},batch_size=2", "--tasks",
+            "jaxgpt_cli_mc,jaxgpt_cli_gen", "--include_path", str(tasks), "--output_path", str(tmp_path / "out")]
+    p = subprocess.run([sys.executable, "-m", "jaxgpt.eval.harness", *argv], cwd=REPO, env=lm_eval_env(),
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    (results_file,) = (tmp_path / "out").glob("*/results_*.json")
+    r = json.loads(results_file.read_text())
+    assert r["config"]["model"] == "jaxgpt" and r["config"]["batch_size"] == "2"  # moved to lm-eval's --batch_size
+    assert r["config"]["model_args"] == {"pretrained": str(export)}
+    assert 0.0 <= r["results"]["jaxgpt_cli_mc"]["acc,none"] <= 1.0
+    assert "exact_match,none" in r["results"]["jaxgpt_cli_gen"]
+
+
+def test_importing_the_harness_keeps_lm_evals_models():
+    """Registering jaxgpt into lm-eval's empty model registry used to hide the built-in models (get_model loads
+    them only into an empty registry): import the harness first, in a fresh interpreter, then look up ``hf``."""
+    pytest.importorskip("lm_eval")
+    code = ("import jaxgpt.eval.harness\n"
+            "from lm_eval.api.registry import get_model\n"
+            "print(get_model('hf').__name__, get_model('jaxgpt').__module__)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=lm_eval_env(), capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["HFLM", "jaxgpt.eval.harness"]
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules after import of package:RuntimeWarning")
+def test_the_harness_as_main_registers_the_package_class_once(monkeypatch, capsys):
+    """``python -m jaxgpt.eval.harness`` runs the file as ``__main__``: the model registered is still
+    ``jaxgpt.eval.harness.JaxGPTLM`` (a second registration under the same name would be refused); batch_size
+    both in --model_args and as --batch_size, differently, is refused before anything runs."""
+    pytest.importorskip("lm_eval")
+    import runpy
+
+    from lm_eval.api.registry import get_model
+
+    from jaxgpt.eval import harness
+
+    monkeypatch.setattr(sys, "argv", ["jaxgpt-lm-eval", "--model", "jaxgpt", "--model_args",
+                                      "pretrained=random:tiny,batch_size=4", "--batch_size", "2", "--tasks", "x"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module("jaxgpt.eval.harness", run_name="__main__")
+    assert e.value.code == 2
+    assert "batch_size is given twice, 4 in --model_args and 2 as --batch_size" in capsys.readouterr().err
+    assert get_model("jaxgpt") is harness.JaxGPTLM
+
+
+def test_the_harness_model_args(monkeypatch):
+    pytest.importorskip("lm_eval")
+    from jaxgpt.eval.harness import JaxGPTLM
+
+    lm = JaxGPTLM.create_from_arg_string("pretrained=random:tiny,batch_size=3,dtype=bfloat16",
+                                         {"batch_size": None, "max_batch_size": None, "device": "cuda:0"})
+    assert lm.batch_size == 3 and lm.model.policy.compute_dtype in ("bfloat16", np.dtype("bfloat16"))
+    lm = JaxGPTLM.create_from_arg_obj({"pretrained": "random:tiny", "batch_size": 3, "device": "cpu"},
+                                      {"batch_size": "3", "device": "cuda:0"})  # the same value twice: fine
+    assert lm.batch_size == 3 and lm.model.policy.compute_dtype in ("float32", np.dtype("float32"))
+    assert JaxGPTLM(pretrained="random:tiny", batch_size="auto", max_batch_size="4").batch_size == 4
+    assert JaxGPTLM(pretrained="random:tiny", dtype="float32", precision="fp32").model.policy.dtype == np.float32
+    for kwargs, additional, match in (
+            ({"batch_size": 16}, {"batch_size": 1}, "batch_size is given twice, 16 in --model_args and 1 as"),
+            ({"dtype": "float16"}, None, "dtype=float16: the jaxgpt model computes in float32 or bfloat16"),
+            ({"dtype": "auto"}, None, "dtype=auto: "),
+            ({"dtype": "bfloat16", "precision": "fp32"}, None, "disagree"),
+            ({"batch_size": "many"}, None, "batch_size=many: expected an integer"),
+            ({"batch_size": 0}, None, "batch_size=0: must be >= 1"),
+            ({"temperature": 1}, None, r"unknown argument\(s\) \['temperature'\]")):
+        with pytest.raises(EvalError, match=match):
+            JaxGPTLM.create_from_arg_obj({"pretrained": "random:tiny", **kwargs}, additional)
+
+
+class Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_generate_until_compiles_per_bucket_and_matches_one_prompt_at_a_time():
+    """Prompts of many lengths in batches of mixed lengths: every row at its own positions (the position
+    embedding is scaled up, so a row at the wrong positions generates other tokens), the same tokens as greedy
+    decoding by full forward passes over each prompt alone, and one compilation per context-width bucket."""
+    pytest.importorskip("lm_eval")
+    import jax
+
+    from jaxgpt.eval.harness import GEN_CHECK_EVERY, JaxGPTLM, gen_width
+
+    lm = JaxGPTLM(pretrained="random:tiny", batch_size=3, max_gen_toks=10)  # block_size 64
+    scale = {"['wte']": 3.0, "['wpe']": 30.0}
+    nnx.update(lm.model, jax.tree_util.tree_map_with_path(lambda p, x: x * next(
+        (f for k, f in scale.items() if jax.tree_util.keystr(p).startswith(k)), 1.0), nnx.state(lm.model, nnx.Param)))
+    lm.state = nnx.state(lm.model)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "curious",
+             "owls", "watch", "from", "an", "old", "oak"]
+    contexts = [" ".join((words * 5)[:n]) for n in [*range(1, 27), 40, 55, 60, 70]]
+    lengths = {len(encode(c)) for c in contexts}
+    assert len(lengths) == 30 and max(lengths) > 64 - 10  # distinct lengths, some cut to block_size - max_gen_toks
+    kwargs = {"until": ["never appears"], "max_gen_toks": 10, "do_sample": False}
+    out = lm.generate_until([Request(c, kwargs) for c in contexts], disable_tqdm=True)
+    forward = jax.jit(lambda x: lm.model(x))  # the oracle: greedy by full forward passes, no cache, positions 0..
+    rows = [encode(c)[-(64 - 10):] for c in contexts]
+    for _ in range(10):
+        x = np.zeros((len(rows), 64), np.int32)
+        for r, row in enumerate(rows):
+            x[r, : len(row)] = row
+        logits = np.asarray(forward(x))
+        for r, row in enumerate(rows):
+            row.append(int(np.argmax(logits[r, len(row) - 1])))
+    reference = [lm.tok_decode(row[-10:][: row[-10:].index(EOT_TOKEN)] if EOT_TOKEN in row[-10:] else row[-10:])
+                 for row in rows]
+    assert out == reference
+    assert len(set(out)) > 20  # position-dependent continuations, not one repeated token
+    buckets = {gen_width(min(n, 64 - 10), 64 - 10) for n in lengths}
+    assert buckets == {16, 32, 54}  # powers of two, and the cap block_size - max_gen_toks
+    assert lm.traces["prefill"] <= len(buckets) and lm.traces["decode"] <= len(buckets)
+    assert lm.gen_steps == [(10, 10)] * 10  # nothing ended early: no stop string, no <|endoftext|>
+    before = dict(lm.traces)
+    lm.generate_until([Request(c + " and", kwargs) for c in contexts[:9]], disable_tqdm=True)
+    assert dict(lm.traces) == before  # other lengths, the same buckets: nothing compiled again
+
+    # a stop string every row of the batch reaches: the batch ends after the first check, the texts are cut
+    stop = reference[4][2:5]
+    early = {"until": [stop], "max_gen_toks": 30, "do_sample": False}
+    assert lm.generate_until([Request(contexts[4], early)] * 3, disable_tqdm=True) == [reference[4].split(stop)[0]] * 3
+    assert lm.gen_steps == [(GEN_CHECK_EVERY, 30)]
+
+
+def test_the_stopping_rule_is_lm_evals_hf_rule(model, tmp_path):
+    """StopRule against lm-eval's own MultiTokenEOSCriteria driven the way transformers' generate drives it (a
+    finished row padded with the pad token, <|endoftext|>; the batch ends when every row is finished), on random
+    token rows made of pieces of the stop strings."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from lm_eval.models.utils_hf import stop_sequences_criteria
+    from transformers import AutoTokenizer
+
+    from jaxgpt.eval.harness import StopRule
+    from jaxgpt.weights import save_hf
+
+    tok = AutoTokenizer.from_pretrained(save_hf(model, tmp_path / "hf"))
+    until = ["\n\n", ". The", "<|endoftext|>"]
+    pieces = [encode(t) for t in ["\n", "\n\n", ".", " The", " the", "The", " cat", " sat", "."]] + [[EOT_TOKEN]]
+
+    def hf_end(rows: list[list[int]]) -> int | None:
+        criteria = stop_sequences_criteria(tok, list(until), 1, len(rows))
+        seqs, unfinished = [[0] for _ in rows], [True] * len(rows)
+        for t in range(len(rows[0])):
+            for i, row in enumerate(rows):
+                seqs[i].append(row[t] if unfinished[i] else EOT_TOKEN)
+            stop_all = any([c(torch.tensor(seqs), None) for c in criteria])  # noqa: C419  (each one updates)
+            unfinished = [u and not (stop_all or s[-1] == EOT_TOKEN) for u, s in zip(unfinished, seqs)]
+            if not any(unfinished):
+                return t + 1
+        return None
+
+    rng = np.random.default_rng(0)
+    ends = []
+    for _ in range(150):
+        n_rows, n = int(rng.integers(1, 4)), 12
+        rows = []
+        for _ in range(n_rows):
+            row = []
+            while len(row) < n:
+                row += pieces[rng.integers(len(pieces))] if rng.random() < 0.6 else [int(rng.integers(300, 5000))]
+            rows.append(row[:n])
+        expected = hf_end(rows)
+        rule = StopRule(until, n_rows, encode=lambda s: encode(s, allow_eot=True), decode=decode, eot=EOT_TOKEN)
+        got = None
+        for k in range(3, n + 3, 3):  # fed a few tokens at a time, as the decoder does
+            got = rule.update(np.array(rows)[:, :k])
+            if got is not None:
+                break
+        assert got == expected, (rows, got, expected)
+        ends.append(expected)
+    assert sum(e is None for e in ends) > 10 and sum(e is not None for e in ends) > 50
