@@ -461,7 +461,9 @@ def load_model(init_from: str, *, policy: Policy, seed: int = 0, step: int | Non
 
 
 # ---- the command line ----------------------------------------------------------------------------------------
-def _int_at_least(minimum: int):
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= ``minimum`` (also the eval command's)."""
+
     def parse(s: str) -> int:
         try:
             v = int(s)
@@ -505,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face model name (gpt2, gpt2-medium, gpt2-large, gpt2-xl), a Hugging Face "
                         "GPT-2 directory, a jaxgpt training run directory, or random:PRESET for a random "
                         f"model (presets: {', '.join(sorted(PRESETS))}) (default: gpt2)")
-    p.add_argument("--step", type=_int_at_least(0), default=None,
+    p.add_argument("--step", type=int_at_least(0), default=None,
                    help="with a training run directory: the checkpoint step, an error if it is damaged "
                    "(default: the newest intact step)")
     prompt = p.add_mutually_exclusive_group()
@@ -520,11 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-ids", action="store_true",
                    help="after each sample's text, print its token ids (prompt + new tokens) as one JSON line: "
                         '{"sample": i, "ids": [...]}')
-    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=100)
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=100)
     p.add_argument("--temperature", type=_temperature, default=1.0, help="0 = greedy (default: 1.0)")
-    p.add_argument("--top-k", type=_int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
-    p.add_argument("--num-samples", type=_int_at_least(1), default=1)
+    p.add_argument("--top-k", type=int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
+    p.add_argument("--seed", type=int_at_least(0), default=0)
+    p.add_argument("--num-samples", type=int_at_least(1), default=1)
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="matmul operand dtype (default: fp32)")
     p.add_argument("--no-cache", action="store_true",

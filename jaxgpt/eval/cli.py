@@ -20,18 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxgpt.eval.common import EvalError, load_model
-
-
-def _int_at_least(minimum: int):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}")
-        return v
-    return parse
+from jaxgpt.generate import int_at_least
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,17 +29,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", required=True,
                    help="a training run directory, a Hugging Face GPT-2 directory or name (gpt2, ...), or "
                         "random:PRESET")
-    p.add_argument("--step", type=_int_at_least(0), default=None, help="with a run directory: this checkpoint step")
+    p.add_argument("--step", type=int_at_least(0), default=None, help="with a run directory: this checkpoint step")
     p.add_argument("--data", default=None,
                    help="hellaswag: the official jsonl (default: the cached val split, downloaded where a network "
                         "is reachable); val-loss: a prepared shard directory (required)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="val-loss: the split (default val)")
     p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32")
-    p.add_argument("--batch-size", type=_int_at_least(1), default=8,
+    p.add_argument("--batch-size", type=int_at_least(1), default=8,
                    help="items (hellaswag) or sequences (val-loss) per batch")
-    p.add_argument("--seq-len", type=_int_at_least(1), default=None,
+    p.add_argument("--seq-len", type=int_at_least(1), default=None,
                    help="val-loss: tokens per sequence (default: block size)")
-    p.add_argument("--limit", type=_int_at_least(1), default=None, help="only the first N items / batches")
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="only the first N items / batches")
     p.add_argument("--out", default=None, help="hellaswag: write each item's result here (jsonl)")
     p.add_argument("--json", default=None, help="also write the summary JSON here")
     p.add_argument("--no-progress", action="store_true")
