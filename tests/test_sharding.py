@@ -236,7 +236,7 @@ def _losses(run_dir: Path) -> dict[tuple[str, int], float]:
     from jaxgpt.train import read_metrics
 
     return {(r["type"], r["step"]): r["loss"] if r["type"] == "train" else r["val_loss"]
-            for r in read_metrics(run_dir)}
+            for r in read_metrics(run_dir) if r["type"] in ("train", "eval")}  # not a resume's config_change
 
 
 @pytest.mark.slow  # ~75 s at load 8 on 2 cores: three CLI runs
