@@ -475,3 +475,49 @@ def test_a_killed_export_leaves_staging_that_the_next_export_removes(run, tmp_pa
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert not left.exists() and live.is_dir() and exportdir._is_our_dir(hf)
+
+
+def test_reports_of_abandoned_reads_are_dropped_and_others_kept(monkeypatch):
+    """What a failed restore leaves behind (orbax's other array reads, failing later in TensorStore's threads) is
+    dropped from sys.unraisablehook and from asyncio's "exception was never retrieved" log, by the read
+    coroutine's frame in the traceback, whatever object carries it; every other report passes through."""
+    import logging
+    import sys
+    import types
+
+    from jaxgpt.checkpoint import integrity
+
+    def _read_array_index_and_device_put():  # the name of orbax's read coroutine
+        raise ValueError("Error reading 'wte': truncated")
+
+    def raised(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return e
+
+    def other():
+        raise ValueError("something else")
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    integrity.quiet_abandoned_reads()
+    unraisable = lambda exc, obj: types.SimpleNamespace(exc_value=exc, object=obj, exc_type=type(exc))  # noqa: E731
+    sys.unraisablehook(unraisable(raised(_read_array_index_and_device_put), object()))  # e.g. a Task around it
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed"), None))
+    assert seen == []
+    sys.unraisablehook(unraisable(raised(other), None))
+    assert len(seen) == 1
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("asyncio")
+    log.addHandler(handler)
+    try:
+        for fn in (_read_array_index_and_device_put, other):
+            e = raised(fn)
+            log.error("Task exception was never retrieved", exc_info=(type(e), e, e.__traceback__))
+    finally:
+        log.removeHandler(handler)
+    assert [r.exc_info[1].args[0] for r in records] == ["something else"]

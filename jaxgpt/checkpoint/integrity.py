@@ -18,7 +18,10 @@ spread over processes is recomputed from the gathered array. A damaged step is r
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import logging
+import os
 import sys
 from typing import Any
 
@@ -107,13 +110,17 @@ def tree_digests(tree: Any, *, like: dict[str, str] | None = None) -> dict[str, 
     if device:
         digests = jax.device_get(_tree_digest([v for _, v in device]))
         out.update({path: "dev:" + "-".join(f"{int(w):08x}" for w in d) for (path, _), d in zip(device, digests)})
+    host = []
     for path, v in leaves:
         if kinds[path] == "xxh3":
             if not getattr(v, "is_fully_addressable", True):  # saved whole, now spread over processes
                 from jax.experimental import multihost_utils
 
-                v = multihost_utils.process_allgather(v, tiled=True)
-            out[path] = _host_digest(v)
+                v = multihost_utils.process_allgather(v, tiled=True)  # a collective: in order, on every process
+            host.append((path, v))
+    # XXH3 releases the GIL: the arrays hash concurrently (10 -> 14 GB/s on 2 cores for gpt2's 1.5 GB)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        out.update(zip([path for path, _ in host], pool.map(_host_digest, [v for _, v in host])))
     return out
 
 
@@ -143,23 +150,52 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+ABANDONED_READ = "_read_array_index_and_device_put"  # orbax's coroutine that reads one array
+
+
+def _from_abandoned_read(exc: BaseException | None, text: str = "") -> bool:
+    """Whether a report concerns one of orbax's abandoned array reads: its text names the read coroutine, or one
+    of the exception's traceback frames (through its causes) is that coroutine."""
+    if ABANDONED_READ in text:
+        return True
+    seen = 0
+    while exc is not None and seen < 8:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name == ABANDONED_READ:
+                return True
+            tb = tb.tb_next
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class _AbandonedReadFilter(logging.Filter):
+    """asyncio logs "Task/Future exception was never retrieved" for a read that failed after orbax gave up on it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not _from_abandoned_read(exc, record.getMessage())
+
+
 def quiet_abandoned_reads() -> None:
     """After a failed restore, orbax leaves its other array reads as coroutines that Python reports as
-    "Exception ignored in: <coroutine ...>" with a TensorStore spec when they are collected, and TensorStore's
-    threads may report "Event loop is closed" for reads that finish after orbax closed its loop, possibly before
-    the failure itself reaches the reading thread. The failure is reported (as :class:`CheckpointDamaged`): drop
-    exactly those two reports, pass every other one on. Installed once, before any restore."""
+    "Exception ignored in: <coroutine ...>" with a TensorStore spec when they are collected, asyncio may log
+    "exception was never retrieved" for them, and TensorStore's threads may report "Event loop is closed" for
+    reads that finish after orbax closed its loop, possibly before the failure itself reaches the reading thread.
+    The failure is reported (as :class:`CheckpointDamaged`): drop exactly those reports, pass every other one on.
+    Installed once, before any restore."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxgpt_quiet", False):
         return
 
     def hook(unraisable: Any) -> None:
         obj, exc = getattr(unraisable, "object", None), getattr(unraisable, "exc_value", None)
-        if getattr(obj, "__qualname__", "").startswith("_read_array_index_and_device_put"):
-            return  # the abandoned read itself
+        if getattr(obj, "__qualname__", "").startswith(ABANDONED_READ) or _from_abandoned_read(exc, repr(obj)):
+            return  # the abandoned read itself (a coroutine, or a task wrapping it)
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
             return  # TensorStore finishing an abandoned read after orbax closed its event loop
         previous(unraisable)
 
     hook._jaxgpt_quiet = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
