@@ -121,8 +121,11 @@ def test_damage_is_named_and_the_newest_intact_step_restored(run, states, how):
         assert "pytree structure" not in str(e.value) and "KeyError" not in str(e.value)
         (row,) = [r for r in c.states() if r.step == 30]  # list says the same
         assert row.state == "damaged" and what.split("damaged: ")[-1] in f"{row.reason}", row
-        r = c.restore_newest(params=params, opt_state=opt_state, move_damaged=True)  # what training does
+        r = c.restore_newest(params=params, opt_state=opt_state)
         assert r.step == 20 and r.verified and [d.step for d in r.skipped] == [30]
+        assert c.all_steps() == [10, 20, 30]  # reported, not moved: a writer moves it (training, as here)
+        for d in r.skipped:
+            c.move_aside(d.step, "damaged", str(d))
         assert leaves_equal(r.params, states[1][0]) and leaves_equal(r.opt_state, states[1][1])
         assert c.all_steps() == [10, 20]  # moved aside: keep-K no longer counts it ...
         (moved,) = c.set_aside("damaged")
@@ -288,7 +291,7 @@ def test_a_changed_optimizer_structure_is_a_mismatch_naming_paths_not_damage(run
     unclipped = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0, decay_steps=10, grad_clip=0.0)).init(params)
     with Checkpoints(run, keep=3) as c:
         for call in (lambda: c.restore(30, params=params, opt_state=unclipped),
-                     lambda: c.restore_newest(params=params, opt_state=unclipped, move_damaged=True)):
+                     lambda: c.restore_newest(params=params, opt_state=unclipped)):
             with pytest.raises(CheckpointMismatchError) as e:
                 call()
             msg = str(e.value)
@@ -300,7 +303,7 @@ def test_a_changed_optimizer_structure_is_a_mismatch_naming_paths_not_damage(run
         # a damaged newest step, then a mismatch: a failed restore moves nothing either
         (run / "checkpoints" / "30" / "params" / "_METADATA").unlink()
         with pytest.raises(CheckpointMismatchError):
-            c.restore_newest(params=params, opt_state=unclipped, move_damaged=True)
+            c.restore_newest(params=params, opt_state=unclipped)
         assert c.all_steps() == [10, 20, 30] and c.set_aside("damaged") == []
 
 

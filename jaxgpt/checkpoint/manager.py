@@ -348,10 +348,10 @@ class Checkpoints:
                         config=saved, verified=verified)
 
     def restore_newest(self, *, params: Any, opt_state: Any | None = None,
-                       requested_config: dict[str, Any] | None = None, move_damaged: bool = False) -> Restored:
+                       requested_config: dict[str, Any] | None = None) -> Restored:
         """:meth:`restore` the newest step that is complete and intact. Each damaged newer step is recorded in
-        ``Restored.skipped`` and, with ``move_damaged`` (a writer), moved to ``checkpoints/damaged/`` once an older
-        step has been restored (a failed restore moves nothing). Raises :class:`NoCheckpointError` when no step is
+        ``Restored.skipped``; nothing is moved (a writer moves them with :meth:`move_aside` once it has accepted
+        the restored step, as training does). Raises :class:`NoCheckpointError` when no step is
         intact (naming why each one failed); a :class:`CheckpointMismatchError` (an intact step saved for another
         model or optimizer) ends the search at once, since older steps of the run have the same structure."""
         skipped: list[CheckpointDamaged] = []
@@ -361,9 +361,6 @@ class Checkpoints:
             except CheckpointDamaged as e:
                 skipped.append(e)
                 continue
-            if move_damaged:
-                for e in skipped:
-                    self.move_aside(e.step, "damaged", str(e))
             r.skipped = skipped
             return r
         why = "".join(f"\n  {e}" for e in skipped)
