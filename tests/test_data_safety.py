@@ -224,19 +224,28 @@ def test_an_id_outside_the_vocabulary_is_named_by_shard_and_offset(tmp_path):
         pytest.fail("the random loader never drew the bad id")
 
 
+@pytest.mark.parametrize("scanned", [True, False], ids=["read at set-up", "found in a batch"])
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys, split):
+def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys, monkeypatch, split, scanned):
+    """Small shards without max_token are read at set-up; larger ones are caught by the loaders' per-batch check
+    (training and validation batches alike), before a step trains or evaluates on them."""
+    from jaxgpt.data import shards
     from jaxgpt.train import main
 
+    if not scanned:
+        monkeypatch.setattr(shards, "SCAN_MAX_TOKENS", 0)
     out = handmade_shards(tmp_path, bad_at=40, bad_split=split)
     code = main(["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={out}", "--loader_mode=sequential",
                  f"--out_dir={tmp_path / 'run'}", "--max_steps=50", "--eval_interval=0", "--plot=false"])
     captured = capsys.readouterr()
     assert code == 2, captured.err
     assert f"foreign_{split}_000000.bin: token id 60,000 at token offset 40 is outside" in captured.err
-    assert "its header records no max_token, so the shard was read" in captured.err  # at set-up, before a step
+    if scanned:
+        assert "its header records no max_token, so the shard was read" in captured.err  # at set-up
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    else:
+        assert f"(found in batch 1 of the {split} split" in captured.err
     assert "Traceback" not in captured.err and "nan" not in captured.out + captured.err
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_val_ids_outside_the_vocabulary_are_caught_before_training(tmp_path):
@@ -269,6 +278,10 @@ def test_a_loader_with_vocab_size_checks_every_batch(tmp_path, mode):
         break
     else:
         pytest.fail("the bad id was never drawn")
+    skipping = DataLoader(out, "val", 2, 64, mode=mode, seed=1, vocab_size=50257)
+    skipping.skip(plain.step)  # past the bad batch without a check: skipping is how a run steps over bad data
+    assert skipping.state_dict() == plain.state_dict()
+    np.testing.assert_array_equal(skipping.next_batch()[0], plain.next_batch()[0])
     checked.vocab_size = None  # the attribute turns it off (and on)
     for bad in (0, -1, True, 2.5):
         with pytest.raises(DataError, match="DataLoader.vocab_size"):

@@ -158,6 +158,17 @@ def test_val_loss_and_bits_per_byte(model, shakespeare):
         val_loss.evaluate(model, shakespeare, seq_len=65)
 
 
+def test_val_loss_names_an_id_outside_the_vocabulary(model, tmp_path):
+    from jaxgpt.data import write_shard
+
+    tokens = np.arange(400) % 1000
+    tokens[150] = 60_000  # in the third batch (each takes 2 x 32 tokens: 128..191)
+    write_shard(tmp_path, "x", "val", 0, tokens, {})
+    with pytest.raises(EvalError, match=r"x_val_000000\.bin: token id 60,000 at token offset 150 is outside the "
+                       r"model's vocabulary \[0, 50,257\) \(found in batch 3 of the val split"):
+        val_loss.evaluate(model, tmp_path, batch_size=2, seq_len=32)
+
+
 def test_command_line(tmp_path, capsys, shakespeare):
     data = write_items(tmp_path / "items.jsonl", 5)
     argv = ["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(data), "--limit", "3",

@@ -109,14 +109,24 @@ class DataLoader:
         return self._memmaps[shard]
 
     def next_batch(self) -> tuple[Int32[np.ndarray, "batch seq"], Int32[np.ndarray, "batch seq"]]:
-        rows = self._random_rows() if self.mode == "random" else self._sequential_rows()
-        self.step += 1
+        rows = self._next_rows()
         x, y = rows[:, :-1], rows[:, 1:]
         if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # uint16: never < 0
             bad = self.token_error(x, y, self.vocab_size)
             if bad is not None:
                 raise bad
         return x, y
+
+    def skip(self, batches: int) -> None:
+        """Advance past ``batches`` batches exactly as ``next_batch`` would, without checking their ids (skipping
+        is how a run steps over bad data)."""
+        for _ in range(batches):
+            self._next_rows()
+
+    def _next_rows(self) -> Int32[np.ndarray, "batch seq+1"]:
+        rows = self._random_rows() if self.mode == "random" else self._sequential_rows()
+        self.step += 1
+        return rows
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         while True:

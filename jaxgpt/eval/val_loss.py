@@ -37,12 +37,12 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
     from flax import nnx
     from tqdm.auto import tqdm
 
-    from jaxgpt.data import DataLoader
+    from jaxgpt.data import DataError, DataLoader
 
     seq_len = seq_len or model.config.block_size
     if seq_len > model.config.block_size:
         raise EvalError(f"seq_len = {seq_len}: must be <= the model's block_size ({model.config.block_size})")
-    loader = DataLoader(data, split, batch_size, seq_len, mode="sequential")
+    loader = DataLoader(data, split, batch_size, seq_len, mode="sequential", vocab_size=model.config.vocab_size)
     n = loader.batches_per_epoch if limit is None else min(limit, loader.batches_per_epoch)
     graphdef, state = nnx.split(model)
 
@@ -55,10 +55,10 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
     total, tokens, nbytes = 0.0, 0, 0
     t0 = time.perf_counter()
     for _ in tqdm(range(n), unit="batch", desc=f"{split} loss", disable=not progress):
-        x, y = loader.next_batch()
-        bad = loader.token_error(x, y, model.config.vocab_size)
-        if bad is not None:
-            raise EvalError(str(bad))
+        try:
+            x, y = loader.next_batch()  # every id checked against the model's vocabulary
+        except DataError as e:  # names the shard, the token offset and the id
+            raise EvalError(str(e)) from None
         total += float(loss_sum(state, x, y))
         tokens += y.size
         nbytes += int(lens[np.minimum(y, len(lens) - 1)].sum())

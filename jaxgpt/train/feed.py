@@ -27,10 +27,7 @@ class BatchFeed:
     def _read(self) -> tuple[Any, dict[str, Any]]:
         from jaxgpt import step as step_lib
 
-        x, y = self.loader.next_batch()
-        bad = self.loader.token_error(x, y, self.model_config.vocab_size)  # names the shard and the offset
-        if bad is not None:
-            raise bad
+        x, y = self.loader.next_batch()  # (ids checked against the vocabulary by the loader)
         x, y = x.reshape(self.shape), y.reshape(self.shape)
         step_lib.check_batch(x, y, self.model_config)
         return step_lib.place_batch(x, y, self.mesh), self.loader.state_dict()
@@ -53,6 +50,5 @@ class BatchFeed:
     def skip(self, batches: int) -> None:
         """Advance past ``batches`` global batches, exactly as training on them would (no step runs)."""
         self._ahead = None
-        for _ in range(batches):
-            self.loader.next_batch()
+        self.loader.skip(batches)
         self.position = self.loader.state_dict()

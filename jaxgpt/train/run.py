@@ -115,7 +115,9 @@ class Run(Resuming, Safeguards, InLoopEvals):
             run._set_up_model()
             from jaxgpt import data as data_lib
 
-            data_lib.check_shards_for_model(run.data_dir, run.model_cfg.vocab_size)  # headers only
+            data_lib.check_shards_for_model(run.data_dir, run.model_cfg.vocab_size)  # headers (and small shards)
+            for loader in (run.train_loader, run.val_loader):  # and then every batch: a bad id names shard, offset
+                loader.vocab_size = run.model_cfg.vocab_size
         except BaseException:
             run._unlock(abandon=True)
             raise

@@ -82,9 +82,6 @@ class Safeguards:
             x, y = loader.next_batch()
         finally:
             loader.load_state_dict(position)
-        bad = loader.token_error(x, y, self.model_cfg.vocab_size)
-        if bad is not None:
-            raise bad
         rows = self.cfg.batch_size
         losses = [self.eval_step(self.state.params, x[i:i + rows], y[i:i + rows]) for i in range(0, len(x), rows)]
         loss = float(np.mean([float(v) for v in losses]))
