@@ -7,10 +7,10 @@ them), or a ``.pt`` file whose zip archive holds that record (which ``torch.load
 refused unless ``overwrite=True`` (a directory of ours to which someone added files is refused too, naming those
 files). Some targets are refused even then:
 
-* ``forbidden`` paths (e.g. the run's ``checkpoints/``): the target may not be one, lie inside one or contain one;
-* a ``run_dir``: the target may not be it or contain it, and inside it only a new path or a previous export of
-  ours may be written: the run's own files and folders (``config.yaml``, ``metrics.jsonl``, ``summary.json``,
-  the lock, ``checkpoints/``, anything else already there) are never replaced, not even with ``overwrite``.
+* the run's ``checkpoints/`` (with ``run_dir``): the target may not be it, lie inside it or contain it;
+* the ``run_dir`` itself: the target may not be it or contain it, and inside it only a new path or a previous
+  export of ours may be written: the run's own files and folders (``config.yaml``, ``metrics.jsonl``,
+  ``summary.json``, the lock, anything else already there) are never replaced, not even with ``overwrite``.
 
 Before anything is read or written, the target's parent must be creatable and writable. Replacing a previous
 export renames the old one aside, renames the new one in, and only then deletes the old one, so an interrupted
@@ -34,11 +34,12 @@ import socket
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 MARKER = "jaxgpt_export.json"
+CHECKPOINTS = "checkpoints"  # a run directory's checkpoints (jaxgpt.checkpoint.CHECKPOINT_SUBDIR; not imported: orbax)
 # what save_hf wrote before the marker listed the files (exports made before this list existed)
 _HF_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "vocab.json", "merges.txt",
                        "tokenizer_config.json", "special_tokens_map.json"})
@@ -105,23 +106,21 @@ def _suggestion(run_dir: Path, kind: str) -> Path:
 
 
 def check_target(target: str | os.PathLike, *, kind: str, overwrite: bool = False,
-                 forbidden: Iterable[str | os.PathLike] = (), run_dir: str | os.PathLike | None = None,
-                 option: str = "--to-hf") -> Path:
+                 run_dir: str | os.PathLike | None = None, option: str = "--to-hf") -> Path:
     """The absolute target if writing ``kind`` ("dir" or "file") there loses nothing and can be done; else
-    :class:`ExportError` (see the module docstring for ``forbidden``, ``run_dir`` and ``overwrite``)."""
+    :class:`ExportError` (see the module docstring for ``run_dir`` and ``overwrite``)."""
     path = Path(target).expanduser().absolute()
     real = path.resolve()
     shown = f"{option} {str(target)!r}"
     run = None if run_dir is None else Path(run_dir).expanduser().resolve()
-    for f in [*forbidden, *([] if run is None else [run / "checkpoints"])]:
-        f = Path(f).expanduser().resolve()
-        how = "is" if real == f else "is inside" if f in real.parents else "contains" if real in f.parents else ""
-        if how:
-            hint = _suggestion(run if run is not None else f.parent, kind)
-            raise ExportError(f"{shown}: {real} {how} {f}, which an export must never replace or write into (not "
-                              f"even with --overwrite); choose another path, e.g. {str(hint)!r}")
     if run is not None:
         hint = _suggestion(run, kind)
+        ckpts = (run / CHECKPOINTS).resolve()
+        how = "is" if real == ckpts else "is inside" if ckpts in real.parents else "contains" if real in ckpts.parents \
+            else ""
+        if how:
+            raise ExportError(f"{shown}: {real} {how} {ckpts}, which an export must never replace or write into "
+                              f"(not even with --overwrite); choose another path, e.g. {str(hint)!r}")
         if real == run or real in run.parents:
             raise ExportError(f"{shown}: {real} {'is' if real == run else 'contains'} the run directory {run}, "
                               f"which an export must never replace (not even with --overwrite); choose another "

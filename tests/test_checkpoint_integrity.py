@@ -220,6 +220,7 @@ def test_export_refuses_foreign_targets_and_the_run_itself(run, tmp_path, capsys
     assert main(["export", str(run), "--to-hf", str(run / "checkpoints" / "30" / "x"), "--overwrite"]) == 2
     with Checkpoints(run, read_only=True) as c:
         assert c.all_steps() == [10, 20, 30] and [s.state for s in c.states()] == ["ok"] * 3
+        assert c.directory == run / exportdir.CHECKPOINTS  # the directory exportdir guards is the checkpoints'
 
     # a file where a directory goes and the other way round: errors, no traceback
     assert main(["export", str(run), "--to-hf", str(foreign / "notes.txt")]) == 2
