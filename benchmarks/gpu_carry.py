@@ -153,6 +153,8 @@ def tracked_bytes() -> int:
 
 
 def pack(text: Path) -> None:
+    if not text.exists():  # before minutes of downloads
+        raise SystemExit(f"{text}: no such file; pass --text PATH (the end-to-end run's training text)")
     exclude_from_git("/.whl/", "/.gpu_carry/")
     WHL.mkdir(exist_ok=True)
     have = {normalise(w.name.split("-")[0]) for w in WHL.glob("*.whl")}
@@ -161,8 +163,6 @@ def pack(text: Path) -> None:
             print(f"  {name}=={version}", flush=True)
             _download(f"{name}=={version}", WHL)
     CARRY.mkdir(exist_ok=True)
-    if not text.exists():
-        raise SystemExit(f"{text}: no such file; pass --text PATH (the end-to-end run's training text)")
     shutil.copyfile(text, CARRY / "tinyshakespeare.txt")
 
 

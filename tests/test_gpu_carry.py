@@ -31,3 +31,17 @@ def test_device_prefix_installs_offline_and_leaves_room() -> None:
 
 def test_the_runbook_finds_the_carried_text() -> None:
     assert gpu_carry.CARRY / "tinyshakespeare.txt" in gpu_session.TEXTS
+
+
+def test_a_missing_text_is_refused_before_anything_is_downloaded(tmp_path, monkeypatch) -> None:
+    import pytest
+
+    def no_download(spec, dest):
+        raise AssertionError(f"downloaded {spec} before checking the text")
+
+    monkeypatch.setattr(gpu_carry, "_download", no_download)
+    monkeypatch.setattr(gpu_carry, "WHL", tmp_path / ".whl")
+    monkeypatch.setattr(gpu_carry, "exclude_from_git", lambda *paths: None)
+    with pytest.raises(SystemExit, match="no such file; pass --text PATH"):
+        gpu_carry.pack(tmp_path / "absent.txt")
+    assert not (tmp_path / ".whl").exists()
