@@ -61,13 +61,16 @@ import optax
 
 from jaxgpt.config import ConfigError, _require, from_dict, to_dict
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "muon")
 SCHEDULES = ("cosine", "constant")
+NS_DTYPES = ("bfloat16", "float32", "float64")
+MUON_QKV = ("split", "fused")
+MUON_LR_ADJUST = ("original", "match_rms_adamw")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    name: Literal["adamw", "adam", "sgd", "adagrad", "rmsprop"] = "adamw"
+    name: Literal["adamw", "adam", "sgd", "adagrad", "rmsprop", "muon"] = "adamw"
     lr: float = 6e-4  # max learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 715  # linear warmup: lr * (step + 1) / warmup_steps for step < warmup_steps
@@ -82,6 +85,19 @@ class OptimConfig:
     rmsprop_alpha: float = 0.99  # rmsprop's decay of the squared-gradient average (torch's alpha)
     adagrad_initial_accumulator: float = 0.0
     grad_clip: float = 1.0  # global norm; 0 disables
+    # ---- muon (name='muon'): Muon on the blocks' hidden matrices, AdamW (lr, beta1, beta2, eps, weight_decay
+    # above) on everything else; see jaxgpt/muon.py. Defaults: KellerJordan/Muon's Muon(lr=0.02, momentum=0.95,
+    # nesterov=True, ns_steps=5, weight_decay=0) and its quintic coefficients; eps is torch.optim.Muon's 1e-7.
+    muon_lr: float = 0.02  # peak lr of the Muon part; the warmup/cosine schedule scales it as it scales lr
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_ns_coeffs: tuple[float, ...] = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c)
+    muon_ns_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"  # as torch.optim.Muon and the speedrun
+    muon_eps: float = 1e-7  # the Frobenius normalisation's eps before Newton-Schulz
+    muon_weight_decay: float = 0.0  # decoupled, p -= lr_t * wd * p (torch.optim.Muon's rule)
+    muon_qkv: Literal["split", "fused"] = "split"  # c_attn's (C, 3C) as three (C, C) matrices, or one
+    muon_lr_adjust: Literal["original", "match_rms_adamw"] = "original"  # sqrt(max(1, out/in)) or 0.2 sqrt(max)
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -119,6 +135,22 @@ class OptimConfig:
         number("rmsprop_alpha", lambda v: 0 <= v < 1, "must be in [0, 1)")
         number("adagrad_initial_accumulator", lambda v: v >= 0, "must be a finite number >= 0")
         number("grad_clip", lambda v: v >= 0, "must be a finite number >= 0 (0 disables clipping)")
+        number("muon_lr", lambda v: v > 0, "must be a finite number > 0")
+        number("muon_momentum", lambda v: 0 <= v < 1, "must be in [0, 1)")
+        _require(n, "muon_nesterov", self.muon_nesterov, isinstance(self.muon_nesterov, bool),
+                 "expected true or false")
+        integer("muon_ns_steps", 1)
+        coeffs = self.muon_ns_coeffs
+        _require(n, "muon_ns_coeffs", coeffs, isinstance(coeffs, tuple) and len(coeffs) == 3 and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in coeffs),
+                 "must be three finite numbers (a, b, c), e.g. [3.4445, -4.7750, 2.0315]")
+        _require(n, "muon_ns_dtype", self.muon_ns_dtype, self.muon_ns_dtype in NS_DTYPES,
+                 f"allowed values are {list(NS_DTYPES)}")
+        number("muon_eps", lambda v: v > 0, "must be a finite number > 0")
+        number("muon_weight_decay", lambda v: v >= 0, "must be a finite number >= 0")
+        _require(n, "muon_qkv", self.muon_qkv, self.muon_qkv in MUON_QKV, f"allowed values are {list(MUON_QKV)}")
+        _require(n, "muon_lr_adjust", self.muon_lr_adjust, self.muon_lr_adjust in MUON_LR_ADJUST,
+                 f"allowed values are {list(MUON_LR_ADJUST)}")
 
     @property
     def min_lr(self) -> float:
@@ -178,6 +210,8 @@ def _transform(cfg: OptimConfig, learning_rate) -> optax.GradientTransformation:
                                    eps=cfg.eps))
     elif cfg.name == "rmsprop":
         parts.append(optax.rmsprop(learning_rate, decay=cfg.rmsprop_alpha, eps=cfg.eps, eps_in_sqrt=False))
+    elif cfg.name == "muon":  # decay is inside each part (decoupled): not the coupled L2 above
+        raise ConfigError("OptimConfig.name = 'muon' is built by jaxgpt.muon.muon_transform")
     else:  # unreachable: __post_init__ validates the name
         raise ConfigError(f"OptimConfig.name = {cfg.name!r}: allowed values are {list(OPTIMIZERS)}")
     return optax.chain(*parts)
@@ -187,10 +221,23 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     """``clip_by_global_norm -> optimizer`` with ``lr_schedule(cfg)`` and weight decay on ``decay_mask``;
     the learning rate of each update is kept in the state (see :func:`current_lr`)."""
 
+    schedule = lr_schedule(cfg)
+    if cfg.name == "muon":
+        from jaxgpt.muon import muon_transform
+
+        ratio = cfg.muon_lr / cfg.lr
+
+        def muon_chain(learning_rate, muon_learning_rate):
+            return muon_transform(cfg, learning_rate, muon_learning_rate)
+
+        # one schedule for both parts: the Muon part's lr is the AdamW part's times muon_lr / lr
+        return optax.inject_hyperparams(muon_chain)(learning_rate=schedule,
+                                                    muon_learning_rate=lambda step: schedule(step) * ratio)
+
     def chain(learning_rate):
         return _transform(cfg, learning_rate)
 
-    return optax.inject_hyperparams(chain)(learning_rate=lr_schedule(cfg))
+    return optax.inject_hyperparams(chain)(learning_rate=schedule)
 
 
 def current_lr(opt_state: Any) -> jax.Array | None:

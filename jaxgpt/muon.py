@@ -1,0 +1,184 @@
+"""Muon for jaxgpt, assembled from optax's own Muon pieces to torch.optim.Muon's update rule.
+
+Muon (Keller Jordan, modded-nanogpt): momentum SGD whose update of each hidden weight matrix is orthogonalised by a
+few Newton-Schulz iterations; AdamW stays on the embeddings, the (tied) head, the biases and the LayerNorms.
+
+**Routing** (:func:`muon_labels`): ``h.{i}.attn.c_attn.kernel``, ``h.{i}.attn.c_proj.kernel``, ``h.{i}.mlp.c_fc.kernel``
+and ``h.{i}.mlp.c_proj.kernel`` go to Muon; everything else (``wte``, ``wpe``, biases, LayerNorm) to AdamW with
+GPT-2's betas and decay on the >= 2-D leaves (:func:`jaxgpt.optim.decay_mask`). torch_ref routes the same tensors.
+
+**The fused qkv matrix** (``muon_qkv``): ``split`` (default) orthogonalises c_attn's (C, 3C) kernel as its three
+(C, C) blocks q, k, v, as the speedrun does (its qkv weight is stacked (3, C, C)); here through optax's own batch
+axis (``MuonDimensionNumbers(reduction_axis=0, output_axis=2)`` on the (C, 3, C) view). ``fused``: one (C, 3C).
+
+**Non-square scaling** (``muon_lr_adjust``): ``original`` multiplies the update by ``sqrt(max(1, fan_out / fan_in))``
+(Keller Jordan's; optax's ``scale_by_shape`` without ``consistent_rms``: 2 for c_fc (C, 4C), 1 for the others, and 1
+for each split q/k/v block, 3**0.5 for a fused c_attn); ``match_rms_adamw`` by ``0.2 sqrt(max(fan_in, fan_out))``
+(Moonshot's; optax's ``consistent_rms=0.2``).
+
+The Muon part, per matrix, with ``g`` the clipped gradient, ``m`` = ``muon_momentum``, ``lr_t`` the scheduled
+``muon_lr``::
+
+    b = m b + g                       optax.trace(m, nesterov)        [state: one buffer per matrix]
+    u = g + m b  (nesterov) | b
+    u = (1 - m) u                     optax.scale(1 - m)
+    O = NS_k(u) in muon_ns_dtype      optax.contrib's orthogonalize_via_newton_schulz (frobenius)
+    O = s(shape) O                    optax.contrib's scale_by_shape
+    p -= lr_t (O + wd p)              optax.add_decayed_weights, optax.scale_by_learning_rate
+
+Why not ``optax.contrib.muon`` itself: built as it is in optax 0.2.8 it is another rule than torch.optim.Muon's, in
+ways no argument changes. Each difference, and how it is bridged here:
+
+1. *Momentum*. torch keeps an EMA without bias correction, ``buf = m buf + (1-m) g``, and its Nesterov step is
+   ``g.lerp(buf, m) = (1-m) g + m buf``; optax's ``scale_by_muon`` bias-corrects both terms,
+   ``m mu/(1-m^(t+1)) + (1-m) g/(1-m^t)``, which is another *direction* in the first steps. optax's ``trace`` (the
+   undamped buffer ``b = buf / (1-m)``) times ``1 - m`` is torch's vector exactly: ``(1-m)(g + m b) = (1-m) g + m buf``.
+2. *Scale into Newton-Schulz*. The ``1 - m`` above is kept (NS divides by the Frobenius norm, so only the norm's eps
+   sees it) so that eps meets the same norm as in torch. *eps*: torch divides by ``max(|u|_F, eps)``, optax by
+   ``|u|_F + eps``: relative difference eps / |u|_F (1e-7 / |u|_F; < 1e-5 for any |u|_F > 1e-2), not bridgeable by
+   configuration; named, and measured in the parity tests.
+3. *Newton-Schulz dtype*. torch runs it in bf16 (hard-coded in ``_zeropower_via_newtonschulz``); optax in its input's
+   dtype. The input is cast to ``muon_ns_dtype`` (bf16 by default, as torch and the speedrun; float32; float64 for
+   tests under ``jax.enable_x64``) and the result cast back to the parameter's dtype.
+4. *Shape scaling*. torch reads ``(A, B) = param.shape`` as nn.Linear's ``(out, in)`` and scales by
+   ``sqrt(max(1, A/B))``; our weights are HF Conv1D ``(in, out)``, so torch_ref hands torch.optim.Muon the transposed
+   view, and optax's ``sqrt(max(1, fan_out/fan_in))`` with reduction axis 0 (in) and output axis 1 (out) is the same
+   number. ``match_rms_adamw`` = ``consistent_rms=0.2``.
+5. *Weight decay*. torch: ``p *= 1 - lr wd`` with the unadjusted lr, then ``p -= lr s O``; here ``-lr (s O + wd p)``:
+   the same, as optax.contrib.muon also does (``add_decayed_weights`` after ``scale_by_shape``).
+6. *The other parameters*. optax.contrib.muon's Adam part is NAdam whenever Muon is Nesterov, uses Muon's eps and
+   decays every non-Muon leaf; torch_ref uses torch.optim.AdamW, so here it is ``optax.adamw`` with GPT-2's betas,
+   ``OptimConfig.eps`` and decay on ``decay_mask`` (wte, wpe), the rule jaxgpt's ``adamw`` already matches.
+7. *Routing*. optax.contrib.muon sends every 2-D leaf to Muon (wte and wpe too) unless given dimension numbers;
+   here :func:`muon_labels` names the four block matrices, passed to ``optax.partition`` (what optax.contrib.muon
+   builds on).
+
+optax 0.2.8 does not re-export ``orthogonalize_via_newton_schulz`` and ``scale_by_shape`` from ``optax.contrib``; they
+are taken from ``optax.contrib._muon``, the module ``optax.contrib.muon`` is made of. ``tests/test_optim.py`` checks
+that, where the two rules coincide (no Nesterov, fp32), this chain and ``optax.contrib.muon`` give the same step.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+from optax.contrib import _muon as optax_muon
+
+MUON_MATRIX = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.kernel$")
+QKV = re.compile(r"^h\.\d+\.attn\.c_attn\.kernel$")
+NS_DTYPE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
+
+
+def path_name(path: tuple) -> str:
+    """'h.0.attn.c_attn.kernel' for a key path into an nnx.State (or a dict of dicts); nnx's trailing '.value'
+    attribute is dropped."""
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            if k.name != "value":
+                parts.append(k.name)
+        elif isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def is_muon_matrix(name: str) -> bool:
+    return MUON_MATRIX.match(name) is not None
+
+
+def muon_labels(params: Any) -> Any:
+    """'muon' for the blocks' hidden matrices (attention qkv and projection, MLP fc and projection kernels),
+    'adamw' for everything else; same structure as ``params``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "muon" if is_muon_matrix(path_name(path)) else "adamw", params)
+
+
+def _map_named(fn, updates: Any) -> Any:
+    """``fn(name, leaf)`` over the leaves (optax.partition's MaskedNode placeholders have none)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: fn(path_name(path), x), updates)
+
+
+def _to_ns_layout(split_qkv: bool) -> optax.GradientTransformation:
+    """c_attn's (C, 3C) -> (C, 3, C) when split: q, k, v become a batch axis of optax's Newton-Schulz."""
+
+    def fn(name, x):
+        if split_qkv and QKV.match(name):
+            c = x.shape[0]
+            if x.shape != (c, 3 * c):
+                raise ValueError(f"{name}: expected a (C, 3C) kernel to split into q, k, v; got {x.shape}")
+            return x.reshape(c, 3, c)
+        return x
+
+    return optax.stateless(lambda updates, params=None: _map_named(fn, updates))
+
+
+def _from_ns_layout() -> optax.GradientTransformation:
+    def fn(name, x):
+        return x.reshape(x.shape[0], -1) if x.ndim == 3 else x
+
+    return optax.stateless(lambda updates, params=None: _map_named(fn, updates))
+
+
+def dimension_numbers(updates: Any) -> Any:
+    """Reduction axis 0 (in), output axis the last (out); the middle axis of a split qkv is a batch axis."""
+    return jax.tree.map(lambda x: MuonDimensionNumbers(reduction_axis=0, output_axis=x.ndim - 1), updates)
+
+
+def orthogonalize(x: jax.Array, cfg, dim_nums: MuonDimensionNumbers | None = None) -> jax.Array:
+    """optax's Newton-Schulz (Frobenius preconditioning) of ``x`` computed in ``cfg.muon_ns_dtype``, returned in
+    ``x``'s dtype."""
+    dtype = NS_DTYPE[cfg.muon_ns_dtype]
+    coeffs = jnp.asarray(cfg.muon_ns_coeffs, dtype)
+    out = optax_muon.orthogonalize_via_newton_schulz(
+        x.astype(dtype), coeffs, cfg.muon_ns_steps, "frobenius", jnp.asarray(cfg.muon_eps, dtype),
+        dim_nums or MuonDimensionNumbers(0, x.ndim - 1))
+    return out.astype(x.dtype)
+
+
+def _orthogonalize_all(cfg) -> optax.GradientTransformation:
+    def update(updates, params=None):
+        return jax.tree.map(lambda x: orthogonalize(x, cfg), updates)
+
+    return optax.stateless(update)
+
+
+def muon_part(cfg, learning_rate) -> optax.GradientTransformation:
+    """The Muon rule (module docstring) for the leaves :func:`muon_labels` routes to it."""
+    m = cfg.muon_momentum
+    return optax.chain(
+        optax.trace(decay=m, nesterov=cfg.muon_nesterov),  # b = m b + g; u = g + m b (difference 1)
+        optax.scale(1.0 - m),  # (1 - m) u: torch's EMA-form vector, exactly (differences 1, 2)
+        _to_ns_layout(cfg.muon_qkv == "split"),
+        _orthogonalize_all(cfg),  # in muon_ns_dtype (difference 3)
+        optax_muon.scale_by_shape(  # difference 4
+            weight_dimension_numbers=dimension_numbers,
+            consistent_rms=0.2 if cfg.muon_lr_adjust == "match_rms_adamw" else None),
+        _from_ns_layout(),
+        optax.add_decayed_weights(cfg.muon_weight_decay),  # difference 5
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def muon_transform(cfg, learning_rate, muon_learning_rate) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` (all grads together, as torch's clip_grad_norm_ over the model) -> partition:
+    Muon on :func:`muon_labels`' matrices, AdamW on the rest."""
+    from jaxgpt.optim import decay_mask
+
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optax.partition(
+        {"muon": muon_part(cfg, muon_learning_rate),
+         "adamw": optax.adamw(learning_rate, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,  # difference 6
+                              weight_decay=cfg.weight_decay, mask=decay_mask)},
+        muon_labels))
+    return optax.chain(*parts)
