@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
         if key == "print-config":
             print_config = True
             continue
+        if key == "wandb":  # --wandb alone, or --wandb=true|false: W&B tracking on or off
+            overrides["wandb.enabled"] = yaml.safe_load(value) if eq else True
+            continue
         if not eq:
             if i >= len(argv) or argv[i].startswith("--"):
                 raise UsageError(f"--{key} needs a value (--{key}=VALUE)")

@@ -13,6 +13,7 @@ from jaxgpt.config import PRESETS, ConfigError, GPTConfig, from_dict, load_yaml,
 from jaxgpt.distributed import DistributedConfig
 from jaxgpt.mesh import MeshConfig
 from jaxgpt.optim import OptimConfig
+from jaxgpt.train.wandb_log import WandbConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare-cpu.yaml"
 
@@ -70,6 +71,7 @@ class TrainConfig:
     tensorboard: bool = True  # when tensorboardX or torch.utils.tensorboard (+ tensorboard) is importable
     plot: bool = True  # loss.png at the end
     progress: bool = True  # the tqdm progress bar
+    wandb: WandbConfig = WandbConfig()  # --wandb: Weights & Biases tracking (jaxgpt.train.wandb_log)
     # ---- devices and processes --------------------------------------------------------------------------
     mesh: MeshConfig = MeshConfig()  # data x fsdp axis sizes (-1: the rest); default all devices data parallel
     distributed: DistributedConfig = DistributedConfig()  # multi-process settings; unset: $JAXGPT_* / SLURM

@@ -65,4 +65,5 @@ class InLoopEvals:
         block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
         with open(self.run_dir / "samples.txt", "a") as f:
             f.write(block)
+        self.metrics.samples(step, texts)
         self.say(block.rstrip())

@@ -49,7 +49,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.tb = None
+        self.file = self.tb = self.tracker = None  # tracker: a WandbTracker fed every record (--wandb)
         if not enabled:
             return
         if truncate_after is not None and self.path.exists():  # resumed: set aside what was logged later
@@ -72,11 +72,18 @@ class MetricsLog:
         if self.file is None:
             return
         self.file.write(json.dumps(record) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(record)
         if self.tb is not None:
             kind = record["type"]
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step",) and v is not None:
                     self.tb.add_scalar(f"{kind}/{k}", v, record["step"])
+
+    def samples(self, step: int, texts: list[str]) -> None:
+        """Text samples (samples.txt is written by the run): to the tracker's table."""
+        if self.tracker is not None:
+            self.tracker.log_samples(step, texts)
 
     def close(self) -> None:
         if self.file is not None:

@@ -228,6 +228,11 @@ class Run(Resuming, Safeguards, InLoopEvals):
         self.say(f"  {mesh_lib.summary(self.mesh, self.state.params, self.state.opt_state)}")
         self.say(f"  run dir {self.run_dir}" + (f"; resumed from step {self.start_step}"
                                                  if self.resumed_from is not None else ""))
+        if cfg.wandb.enabled and self.is_main and self.metrics is not None:
+            from jaxgpt.train.wandb_log import WandbTracker
+
+            self.metrics.tracker = WandbTracker.start(cfg.wandb, self.run_dir, self.saved_config,
+                                                      resumed=self.resumed_from is not None, say=self.say)
 
     # ---- the step loop --------------------------------------------------------------------------------------
     def step_loop(self) -> None:
@@ -354,8 +359,9 @@ class Run(Resuming, Safeguards, InLoopEvals):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-                if self.cfg.plot and self.is_main:
-                    plot_losses(self.run_dir)
+                png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main else None
+                if self.metrics.tracker is not None:
+                    self.metrics.tracker.finish(png)
             self._unlock()
 
     def summarise(self) -> dict[str, Any]:
