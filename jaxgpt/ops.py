@@ -23,6 +23,8 @@ each against the plain expression, values and gradients.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from functools import partial
 
@@ -32,15 +34,47 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 
+_TRACED_FOR: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxgpt_traced_for", default=None)
+
+
 def platform() -> str:
-    """The platform ("cpu", "gpu", "tpu") that computations traced now are placed on: the device set by
-    ``jax.default_device(...)`` (or ``JAX_DEFAULT_DEVICE``) where there is one, else JAX's default backend. A
-    CPU computation on a machine with a GPU (``with jax.default_device(jax.devices("cpu")[0])``) must get the
-    CPU's kernels, not cuDNN's."""
+    """The platform ("cpu", "gpu", "tpu") whose kernels computations traced now get: inside
+    :func:`traced_for` the platform of the devices the computation is being traced for (the train and eval steps
+    trace under their mesh's devices, so a step compiled from a CPU process for compile-only H100 devices gets
+    the GPU program); else the device set by ``jax.default_device(...)`` (or ``JAX_DEFAULT_DEVICE``) where there
+    is one, else JAX's default backend. A CPU computation on a machine with a GPU
+    (``with jax.default_device(jax.devices("cpu")[0])``) must get the CPU's kernels, not cuDNN's."""
+    traced = _TRACED_FOR.get()
+    if traced is not None:
+        return traced
     dev = jax.config.jax_default_device
     if dev is None:
         return jax.default_backend()
-    return dev if isinstance(dev, str) else dev.platform
+    return _canonical(dev if isinstance(dev, str) else dev.platform)
+
+
+def _canonical(name: str) -> str:
+    return "gpu" if name in ("cuda", "rocm") else name
+
+
+def devices_platform(devices) -> str:
+    """The one platform of ``devices`` (a ``Mesh``, or an iterable of ``jax.Device``); refuses a mixture."""
+    flat = list(devices.devices.flat) if hasattr(devices, "devices") else list(devices)
+    found = {_canonical(d.platform) for d in flat}
+    if len(found) != 1:
+        raise ValueError(f"devices of one computation must share a platform, got {sorted(found)}")
+    return found.pop()
+
+
+@contextlib.contextmanager
+def traced_for(devices):
+    """Trace the computations inside for ``devices`` (a ``Mesh`` or ``jax.Device`` iterable): :func:`platform`
+    answers their platform, whatever the process's default backend."""
+    token = _TRACED_FOR.set(devices_platform(devices))
+    try:
+        yield
+    finally:
+        _TRACED_FOR.reset(token)
 
 
 def materialize_transpose(a: Float[Array, "*batch m n"]) -> Float[Array, "*batch n m"]:
@@ -116,6 +150,21 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
 
 
+def _head_rows(w, vocab_size: int, dtype):
+    """The lm_head rows a chunk multiplies by, and what then masks its logits.
+
+    On CPU only the real vocabulary's rows: padded columns then need no -inf mask, a whole pass over the (rows, V)
+    logits that measured ~7 ms per 512 rows (~30 ms of a `small` step). On GPUs every padded row (50,304 for
+    GPT-2: what ``padded_vocab_size`` is for): slicing 50,257 rows out made XLA:GPU pad each chunk's operands back
+    to an aligned width and rewrite the fp32 dW accumulator through a slice (the compiled H100 step's largest
+    copies, ``BENCHMARKS.md``), while the mask fuses into the max/sum reductions and the softmax-gradient pass that
+    read the logits anyway. Masked columns get exp(-inf) = 0, so their softmax, gradient and dW are exactly 0."""
+    if platform() == "cpu" or w.shape[0] == vocab_size:
+        return w.astype(dtype)[:vocab_size], lambda logits: logits
+    real = jnp.arange(w.shape[0]) < vocab_size
+    return w.astype(dtype), lambda logits: jnp.where(real, logits, -jnp.inf)
+
+
 def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
     """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,)."""
     M, C = h.shape
@@ -128,16 +177,15 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
     valid_row = (jnp.arange(n_chunks * rows) < M).reshape(n_chunks, rows)
     hc = hp.reshape(n_chunks, rows, C)
     tc = tp.reshape(n_chunks, rows)
-    # only the real vocabulary's rows of W: padded columns then need no -inf mask, a whole pass over the
-    # (rows, V) logits that measured ~7 ms per 512 rows (~30 ms of a `small` step); their dW is 0
-    w_c = w.astype(dtype)[:vocab_size]
+    w_c, mask_padded = _head_rows(w, vocab_size, dtype)
+    Vc = w_c.shape[0]
 
     def chunk(carry, inp):
         dw_t = carry
         h_i, t_i, ok = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        logits = lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32)
+        logits = mask_padded(lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32))
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
         m = jnp.max(logits, axis=-1, keepdims=True)
@@ -150,13 +198,13 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
             return dw_t, (loss_sum, jnp.zeros((0,), jnp.float32))
         # d(lse - tgt)/dlogits = softmax - onehot, zero on padded rows,
         # of the *mean*: the 1/M folds into this pass instead of two more passes over dh and dW
-        dlogits = (e * (1.0 / s) - jax.nn.one_hot(t_i, vocab_size, dtype=jnp.float32)) * (1.0 / M)
+        dlogits = (e * (1.0 / s) - jax.nn.one_hot(t_i, Vc, dtype=jnp.float32)) * (1.0 / M)
         dlogits = jnp.where(ok[:, None], dlogits, 0.0).astype(dtype)
         dh_i = _dot(dlogits, w_c, dtype, precision)  # (rows, V) @ (V, C)
         # (C, rows) @ (rows, V), added in place into the real columns; the padded columns' dW stays 0. A real
         # copy of h_i^T in fp32 too: the transposed-operand dot measured ~10% slower at this short contraction
         dw_i = _dot(materialize_transpose(h_i), dlogits, dtype, precision)
-        dw_t = lax.dynamic_update_slice(dw_t, dw_t[:, :vocab_size] + dw_i, (0, 0))
+        dw_t = dw_t + dw_i if Vc == V else lax.dynamic_update_slice(dw_t, dw_t[:, :Vc] + dw_i, (0, 0))
         return dw_t, (loss_sum, dh_i)
 
     dw_t0 = jnp.zeros((C, V) if with_grad else (0,), jnp.float32)
@@ -226,11 +274,11 @@ def token_cross_entropy(
     pad = n_chunks * rows - M
     hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
     tc = jnp.pad(targets.reshape(M), (0, pad)).reshape(n_chunks, rows)
-    w_c = w.astype(dtype)[:vocab_size]
+    w_c, mask_padded = _head_rows(w, vocab_size, dtype)
 
     def chunk(inp):
         h_i, t_i = inp
-        logits = lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32)
+        logits = mask_padded(lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32))
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, t_i[:, None], axis=-1)[:, 0]
         return lse - tgt, tgt >= jnp.max(logits, axis=-1)

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt import mesh as mesh_lib
+from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.optim import current_lr
@@ -252,6 +253,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, rows, rows, P()), out_specs=(P(), specs),
                              check_vma=False)(params, x, y, key)
 
+    @ops.traced_for(mesh)  # kernels for the mesh's devices (cuDNN attention on GPUs), not the default backend's
     def step(state: TrainState, x, y, key):
         state = mesh_lib.constrain(state, mesh)  # as init_train_state / shard_state placed it
         loss, grads = sharded_grads(state.params, x, y, key)
@@ -295,6 +297,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh | None = None) -> Calla
     mesh = mesh or data_mesh()
     repl, batch = replicated(mesh), batch_sharding(mesh, 2)
 
+    @ops.traced_for(mesh)
     def loss(params, x, y):
         return loss_fn(graphdef, mesh_lib.gather(mesh_lib.constrain(params, mesh), mesh), x, y)
 
