@@ -178,6 +178,13 @@ class Linear(nnx.Module):
         y = self.policy.matmul(x, self.kernel[...])  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
 
+    def split(self, x: Float[Array, "... d_in"], n: int) -> list[Float[Array, "... d_out/n"]]:
+        """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense."""
+        w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
+        if self.bias is not None:
+            b = jnp.split(self.bias[...], n)
+        return [self.policy.matmul(x, wi) + (0 if bi is None else bi) for wi, bi in zip(w, b)]
+
 
 class CausalSelfAttention(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
@@ -199,10 +206,17 @@ class CausalSelfAttention(nnx.Module):
         dropout_key: jax.Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
         attn_key, resid_key = _split(dropout_key, 2)
-        qkv = self.c_attn(x)  # (B, T, 3C)
-        # split, not a (three, ...) unpack: split's backward is one concatenate of dq, dk, dv, an unpack's is three
-        # zero-padded copies of the whole qkv gradient (150 ms of a 6 s gpt2 124M step on 2 cores: 1.03x faster)
-        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_head) for t in jnp.split(qkv, 3, axis=-1))
+        if ops.platform() == "cpu":
+            qkv = self.c_attn(x)  # (B, T, 3C)
+            # split, not a (three, ...) unpack: split's backward is one concatenate of dq, dk, dv, an unpack's is
+            # three zero-padded copies of the whole qkv gradient (150 ms of a 6 s gpt2 124M step on 2 cores)
+            qkv = jnp.split(qkv, 3, axis=-1)
+        else:
+            # GPUs: one GEMM per projection (the weight's column blocks), so q, k and v come out dense as cuDNN
+            # takes them; splitting one (B, T, 3C) output was 36 copy kernels forward and 24 concatenates backward
+            # in the compiled H100 step (BENCHMARKS.md, "GPU, compiled")
+            qkv = self.c_attn.split(x, 3)
+        q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_head) for t in qkv)
         mask = None
         if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place
             at = (layer, 0, 0, pos, 0)

@@ -131,7 +131,10 @@ def matmul(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, dtype,
 
 
 # ---- fused lm_head + cross-entropy --------------------------------------------------------------------------
-CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss (jaxgpt.account's memory estimate reads it)
+CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
+# on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
+# vocabulary), and there is no cache to stay inside; see _chunk_rows
+CE_CHUNK_ELEMENTS_GPU = 1 << 28
 
 
 def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
@@ -141,7 +144,8 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
     x C=768 one 1,024-row chunk took 1.53-1.56 s against 1.62-1.65 s for two of 512 and 1.68 s for four of 256;
     at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
     chunk slower (1.25-1.31 s: more memory traffic per pass)."""
-    budget = CE_CHUNK_ELEMENTS if budget is None else budget
+    if budget is None:
+        budget = CE_CHUNK_ELEMENTS if platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
     rows = max(1, min(n_rows, budget // vocab_rows))
     n_chunks = math.ceil(n_rows / rows)
     return math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows

@@ -169,10 +169,15 @@ def grads_fn(graphdef: nnx.GraphDef, params: nnx.State, x, y, key: jax.Array | N
         loss, grads = micro_step(*inputs)
         return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-    # micro-step 0 starts the sums (no zero-filled accumulator, and no loop at all for a single micro-step:
-    # a 64 MB zero fill and add per step for the small preset); the same sums as starting from zeros
-    init = micro_step(0, x[0], y[0])
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, init, (jnp.arange(1, micro_steps), x[1:], y[1:]))
+    if ops.platform() == "cpu" or micro_steps == 1:
+        # micro-step 0 starts the sums (no zero-filled accumulator, and no loop at all for a single micro-step:
+        # a 64 MB zero fill and add per step for the small preset); the same sums as starting from zeros
+        init, first = micro_step(0, x[0], y[0]), 1
+    else:
+        # GPUs: every micro-step inside the loop, so the forward and backward are compiled once (peeling
+        # micro-step 0 compiled them twice: 1,728 fusions against 966 in the H100 step); the zero fill is ~0.1 ms
+        init, first = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)), 0
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, init, (jnp.arange(first, micro_steps), x[first:], y[first:]))
     scale = 1.0 / micro_steps
     return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
 
