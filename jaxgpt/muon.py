@@ -33,10 +33,13 @@ ways no argument changes. Each difference, and how it is bridged here:
    ``g.lerp(buf, m) = (1-m) g + m buf``; optax's ``scale_by_muon`` bias-corrects both terms,
    ``m mu/(1-m^(t+1)) + (1-m) g/(1-m^t)``, which is another *direction* in the first steps. optax's ``trace`` (the
    undamped buffer ``b = buf / (1-m)``) times ``1 - m`` is torch's vector exactly: ``(1-m)(g + m b) = (1-m) g + m buf``.
-2. *Scale into Newton-Schulz*. The ``1 - m`` above is kept (NS divides by the Frobenius norm, so only the norm's eps
-   sees it) so that eps meets the same norm as in torch. *eps*: torch divides by ``max(|u|_F, eps)``, optax by
-   ``|u|_F + eps``: relative difference eps / |u|_F (1e-7 / |u|_F; < 1e-5 for any |u|_F > 1e-2), not bridgeable by
-   configuration; named, and measured in the parity tests.
+2. *The normalisation's eps*. torch divides by ``max(|u|_F, 1e-7)``, optax by ``|u|_F + eps``: optax's eps shrinks
+   every update by the relative amount eps / |u|_F (with eps = 1e-7 that is 6% on the tiny test model's key block,
+   whose momentum has |u|_F ~ 1.5e-6), torch's floor does nothing once |u|_F >= 1e-7. So optax's eps is set to
+   ``NS_EPS`` = 1e-30 (still > 0: a zero matrix stays 0, not NaN), which makes optax's ``u / (|u| + eps)`` equal
+   torch's ``u / max(|u|, 1e-7)`` for every |u|_F >= 1e-7; below that (a matrix whose momentum is < 1e-7 in norm)
+   torch shrinks the update and optax does not. The ``1 - m`` above keeps |u| at torch's scale, so that this
+   threshold is met at the same momentum in both.
 3. *Newton-Schulz dtype*. torch runs it in bf16 (hard-coded in ``_zeropower_via_newtonschulz``); optax in its input's
    dtype. The input is cast to ``muon_ns_dtype`` (bf16 by default, as torch and the speedrun; float32; float64 for
    tests under ``jax.enable_x64``) and the result cast back to the parameter's dtype.
@@ -72,6 +75,7 @@ from optax.contrib import _muon as optax_muon
 MUON_MATRIX = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.kernel$")
 QKV = re.compile(r"^h\.\d+\.attn\.c_attn\.kernel$")
 NS_DTYPE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
+NS_EPS = 1e-30  # optax's eps in |u|_F + eps: negligible (difference 2 in the module docstring); a normal number in bf16
 
 
 def path_name(path: tuple) -> str:
@@ -139,7 +143,7 @@ def orthogonalize(x: jax.Array, cfg, dim_nums: MuonDimensionNumbers | None = Non
     dtype = NS_DTYPE[cfg.muon_ns_dtype]
     coeffs = jnp.asarray(cfg.muon_ns_coeffs, dtype)
     out = optax_muon.orthogonalize_via_newton_schulz(
-        x.astype(dtype), coeffs, cfg.muon_ns_steps, "frobenius", jnp.asarray(cfg.muon_eps, dtype),
+        x.astype(dtype), coeffs, cfg.muon_ns_steps, "frobenius", jnp.asarray(NS_EPS, dtype),
         dim_nums or MuonDimensionNumbers(0, x.ndim - 1))
     return out.astype(x.dtype)
 

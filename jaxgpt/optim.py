@@ -87,14 +87,13 @@ class OptimConfig:
     grad_clip: float = 1.0  # global norm; 0 disables
     # ---- muon (name='muon'): Muon on the blocks' hidden matrices, AdamW (lr, beta1, beta2, eps, weight_decay
     # above) on everything else; see jaxgpt/muon.py. Defaults: KellerJordan/Muon's Muon(lr=0.02, momentum=0.95,
-    # nesterov=True, ns_steps=5, weight_decay=0) and its quintic coefficients; eps is torch.optim.Muon's 1e-7.
+    # nesterov=True, ns_steps=5, weight_decay=0) and its quintic coefficients.
     muon_lr: float = 0.02  # peak lr of the Muon part; the warmup/cosine schedule scales it as it scales lr
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
     muon_ns_coeffs: tuple[float, ...] = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c)
     muon_ns_dtype: Literal["bfloat16", "float32", "float64"] = "bfloat16"  # as torch.optim.Muon and the speedrun
-    muon_eps: float = 1e-7  # the Frobenius normalisation's eps before Newton-Schulz
     muon_weight_decay: float = 0.0  # decoupled, p -= lr_t * wd * p (torch.optim.Muon's rule)
     muon_qkv: Literal["split", "fused"] = "split"  # c_attn's (C, 3C) as three (C, C) matrices, or one
     muon_lr_adjust: Literal["original", "match_rms_adamw"] = "original"  # sqrt(max(1, out/in)) or 0.2 sqrt(max)
@@ -146,7 +145,6 @@ class OptimConfig:
                  "must be three finite numbers (a, b, c), e.g. [3.4445, -4.7750, 2.0315]")
         _require(n, "muon_ns_dtype", self.muon_ns_dtype, self.muon_ns_dtype in NS_DTYPES,
                  f"allowed values are {list(NS_DTYPES)}")
-        number("muon_eps", lambda v: v > 0, "must be a finite number > 0")
         number("muon_weight_decay", lambda v: v >= 0, "must be a finite number >= 0")
         _require(n, "muon_qkv", self.muon_qkv, self.muon_qkv in MUON_QKV, f"allowed values are {list(MUON_QKV)}")
         _require(n, "muon_lr_adjust", self.muon_lr_adjust, self.muon_lr_adjust in MUON_LR_ADJUST,

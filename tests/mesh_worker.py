@@ -21,6 +21,7 @@ from pathlib import Path
 # vocab 502: wte (502, 32) is not divisible by 4 along its largest axis, so fsdp=4 shards it along the next.
 MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=502)
 OPTIM = dict(lr=1e-2, warmup_steps=2, decay_steps=10)
+OPTIM.update(json.loads(os.environ.get("MESH_WORKER_OPTIM") or "{}"))  # e.g. Muon (parity_tests/test_muon_parity.py)
 MICRO_STEPS, MICRO_BATCH, SEQ = 2, 8, 32
 
 

@@ -17,7 +17,7 @@ adagrad    ``Adagrad(initial_accumulator_value = init + eps, eps = 0, lr_decay =
            setting torch's eps to 0 gives optax's rule exactly
 rmsprop    ``RMSprop(alpha, eps, momentum=0, centered=False)`` -- eps outside the sqrt; jaxgpt passes
            ``eps_in_sqrt=False`` to optax.rmsprop
-muon       ``Muon`` (below): ``torch.optim.Muon(lr=muon_lr, momentum, nesterov, ns_coefficients, eps, ns_steps,
+muon       ``Muon`` (below): ``torch.optim.Muon(lr=muon_lr, momentum, nesterov, ns_coefficients, ns_steps,
            weight_decay=muon_weight_decay, adjust_lr_fn)`` on the blocks' hidden matrices, ``AdamW`` on the rest
 =========  ==========================================================================================
 
@@ -102,7 +102,7 @@ class Muon:
         self.muon = torch.optim.Muon(
             [v for v, _, _ in self.views], lr=lr * scale, weight_decay=cfg.muon_weight_decay,
             momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_coefficients=tuple(cfg.muon_ns_coeffs),
-            eps=cfg.muon_eps, ns_steps=cfg.muon_ns_steps,
+            ns_steps=cfg.muon_ns_steps,  # eps: torch's default 1e-7 floor (jaxgpt/muon.py, difference 2)
             adjust_lr_fn="match_rms_adamw" if cfg.muon_lr_adjust == "match_rms_adamw" else "original")
         for group in self.muon.param_groups:
             group["lr_scale"] = scale
