@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxgpt import diskspace
 from jaxgpt.checkpoint.integrity import (DIGEST_FORMAT, CheckpointDamaged, describe_error, mismatches,
                                          quiet_abandoned_reads, tree_digests)
 from jaxgpt.config import ConfigError
@@ -24,7 +25,9 @@ from jaxgpt.config import ConfigError
 CHECKPOINT_SUBDIR = "checkpoints"
 ITEMS = ("params", "opt_state", "meta", "config")
 ASIDE = ("damaged", "superseded")  # checkpoints/<kind>/<step>-<time>/: steps moved out of orbax's sight
-_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp-")  # what an interrupted save leaves
+# what an interrupted save leaves: ``<step>.orbax-checkpoint-tmp`` (orbax 0.12.x) or with a suffix after ``-tmp``
+# (``-<timestamp>``, older and newer orbax versions)
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp(?:-.*)?$")
 # GPTConfig fields that may differ between a checkpoint and the model it is restored into (they change no
 # array): a fine-tune may turn dropout on.
 _FREE_MODEL_FIELDS = frozenset({"dropout"})
@@ -34,6 +37,29 @@ class CheckpointMismatchError(ConfigError):
     """The checkpoint was written for a different model (or optimizer) than the one it is restored into: a
     mismatched config field, or a saved tree (``params`` / ``opt_state``) whose structure differs from the
     requested one. The step is intact; it is never called damaged nor moved aside."""
+
+
+class CheckpointWriteFailed(diskspace.WriteFailed):
+    """A checkpoint save failed (a full disk, a quota, any write error). The message names the directory, the
+    bytes the save needed, the free space and the newest intact step; the earlier steps are untouched."""
+
+    def __init__(self, message: str, *, step: int, latest: int | None):
+        super().__init__(message)
+        self.step, self.latest = step, latest
+
+
+class _QuietOrbaxSaveErrors(logging.Filter):
+    """Drop orbax's own ERROR records (with tracebacks) about a failed background save: the failure reaches the
+    caller as one :class:`CheckpointWriteFailed` instead of hundreds of stderr lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "/orbax/" not in record.pathname.replace(os.sep, "/"):
+            return True
+        text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info and record.exc_info[1] else "")
+        return diskspace.write_failure(Exception(text)) is None
+
+
+_QUIET = _QuietOrbaxSaveErrors()
 
 
 class NoCheckpointError(FileNotFoundError):
@@ -197,6 +223,9 @@ class Checkpoints:
         if read_only and not self.directory.is_dir():
             raise NoCheckpointError(f"{self.directory}: no checkpoints here (is {run_dir} a run directory?)")
         logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every save (and read-only notes)
+        if _QUIET not in logging.getLogger("absl").filters:
+            logging.getLogger("absl").addFilter(_QUIET)
+        self._in_flight: tuple[int, int] | None = None  # (step, bytes) of the save being written
         policy = ocp.checkpoint_managers.LatestN(n=keep)
         if keep_best:
             policy = ocp.checkpoint_managers.AnyPreservationPolicy([policy, ocp.checkpoint_managers.BestN(
@@ -307,6 +336,8 @@ class Checkpoints:
              extra: dict[str, Any] | None = None, metrics: dict[str, float] | None = None) -> None:
         """Start saving ``step`` (waits for the previous save first; returns once arrays are on the host). The
         meta item records a digest of every array; ``metrics`` (e.g. ``val_loss``) feed ``keep_best``."""
+        self.wait()  # the previous save: its failure is reported as its own, before this one starts
+        self._in_flight = (int(step), diskspace.tree_nbytes((params, opt_state)))
         digests = {"format": DIGEST_FORMAT, "params": tree_digests(params), "opt_state": tree_digests(opt_state)}
         meta = {"step": int(step), "rng_key": None if rng_key is None else key_to_json(rng_key),
                 "loader_state": loader_state, "extra": extra or {}, "digests": digests}
@@ -471,16 +502,43 @@ class Checkpoints:
     def _guarded(self, fn, *args, **kwargs):
         """Run a manager call that may surface a failed (background) save; on failure re-read the steps from
         disk, since the manager already dropped the steps the failed save was to replace from its list
-        (they are still on disk: orbax deletes them only once a save commits)."""
+        (they are still on disk: orbax deletes them only once a save commits). A failed write (a full disk,
+        whatever exception type orbax reports it with) becomes :class:`CheckpointWriteFailed`."""
         try:
             return fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as e:
             self.manager.reload()
-            raise
+            why = diskspace.write_failure(e) if isinstance(e, Exception) else None
+            if why is None:
+                raise
+            raise self._write_failed(why, e) from e
+
+    def _write_failed(self, why: tuple[int, str], e: BaseException) -> CheckpointWriteFailed:
+        step, need = self._in_flight or (None, None)
+        self._in_flight = None
+        steps = self.all_steps()
+        latest = steps[-1] if steps else None
+        kept = (f"The newest intact checkpoint is step {latest} (steps {steps}, untouched)" if latest is not None
+                else "No checkpoint was saved before it")
+        what = f"saving checkpoint step {step}" if step is not None else "a checkpoint save"
+        return CheckpointWriteFailed(
+            f"{what} into {self.directory} failed: {why[1]} (errno {why[0]}); "
+            + diskspace.describe_space(self.directory, need)
+            + f". {kept}; the half-written step is left as orbax's temporary directory (`checkpoint list` shows it "
+            "as incomplete; the next run removes it). Free space on that disk (or move out_dir to a larger one), "
+            "then re-run the same command: it resumes from the newest intact step.",
+            step=step if step is not None else -1, latest=latest)
+
+    def check(self) -> None:
+        """Cheap, once per training step: if the save in flight has ended, wait for it, so that a failed save
+        (:class:`CheckpointWriteFailed`) is reported now rather than at the next save or the end of the run."""
+        if self._in_flight is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the last save is on disk (raises if it failed)."""
         self._guarded(self.manager.wait_until_finished)
+        self._in_flight = None
 
     def close(self) -> None:
         try:

@@ -21,7 +21,7 @@ from jaxgpt.train.config import TrainConfig
 # so `main` re-executes the process once with them on CPU-only installs (JAXGPT_NO_MALLOC_TUNING=1: don't).
 MALLOC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 
-EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130
+EXIT_CONFIG, EXIT_NONFINITE, EXIT_INTERRUPTED = 2, 3, 130  # and 128 + signal after a SIGTERM (143) / SIGINT
 
 
 class UsageError(ConfigError):
@@ -59,6 +59,9 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
         key, eq, value = arg[2:].partition("=")
         if key == "print-config":
             print_config = True
+            continue
+        if key in ("allow-low-disk", "allow_low_disk") and not eq:  # a flag: train on a disk found too small
+            overrides["allow_low_disk"] = True
             continue
         if key == "wandb":  # --wandb alone, or --wandb=true|false: W&B tracking on or off
             overrides["wandb.enabled"] = yaml.safe_load(value) if eq else True
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxgpt import distributed
     from jaxgpt.checkpoint import CheckpointDamaged, NoCheckpointError
     from jaxgpt.data import DataError
+    from jaxgpt.diskspace import WriteFailed, write_failure
+    from jaxgpt.train.preempt import InterruptedBeforeTraining, Preempted
     from jaxgpt.train.run import NonFiniteLoss, train
     from jaxgpt.weights import CheckpointError
 
@@ -124,7 +129,25 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, NoCheckpointError, CheckpointDamaged, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except Preempted as e:  # SIGTERM / SIGINT in the step loop: the step in hand saved (jaxgpt.train.preempt)
+        print(f"jaxgpt.train: {e}", file=sys.stderr)
+        return e.code
+    except WriteFailed as e:  # a full disk (a checkpoint save, metrics.jsonl, the pre-flight check)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except InterruptedBeforeTraining as e:
+        print(f"jaxgpt.train: interrupted by {e} before the first step: nothing was trained, nothing to save",
+              file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as e:
+        why = write_failure(e)
+        if why is None:
+            raise
+        print(f"error: writing {e.filename or 'a file of the run'} failed: {why[1]}; free space (or choose an "
+              f"out_dir on another disk), then re-run the same command to resume from the newest checkpoint",
+              file=sys.stderr)
+        return EXIT_CONFIG
     return 0

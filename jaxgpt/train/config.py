@@ -56,6 +56,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K checkpoints are kept
     keep_best_checkpoint: bool = False  # besides them, the one with the lowest val loss (saved at an eval step)
     async_checkpoint: bool = True
+    allow_low_disk: bool = False  # a disk too small for keep_checkpoints checkpoints: warn and train (default: refuse)
     # ---- divergence (jaxgpt.train.guard) --------------------------------------------------------------------
     spike_loss_factor: float = 3.0  # a loss above this times the median of the recent ones diverged (0: off)
     spike_grad_norm_factor: float = 0.0  # likewise for the gradient norm (0: off; see jaxgpt.train.guard)

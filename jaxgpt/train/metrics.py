@@ -71,7 +71,17 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:
             return
-        self.file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        try:
+            self.file.write(line)
+        except OSError as e:  # a full disk: cut a partly written line off, so the log stays whole
+            self._cut_torn_line()
+            from jaxgpt import diskspace
+
+            raise diskspace.WriteFailed(f"{self.path}: cannot append a record ({e.strerror or e}); "
+                                        + diskspace.describe_space(self.path.parent, len(line))
+                                        + f". The log holds every record up to step {record.get('step')} (excluded)"
+                                        "; free space, then re-run the same command to resume") from e
         if self.tracker is not None:
             self.tracker.log(record)
         if self.tb is not None:
@@ -85,9 +95,25 @@ class MetricsLog:
         if self.tracker is not None:
             self.tracker.log_samples(step, texts)
 
+    def _cut_torn_line(self) -> None:
+        """Truncate metrics.jsonl after its last complete line (what a failed write may have left)."""
+        try:
+            self.file.flush()
+        except OSError:
+            pass
+        try:
+            with open(self.path, "r+b") as f:
+                data = f.read()
+                f.truncate(data.rfind(b"\n") + 1)
+        except OSError:
+            pass
+
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # the buffer could not be flushed (a full disk): keep the log whole
+                self._cut_torn_line()
         if self.tb is not None:
             self.tb.close()
 

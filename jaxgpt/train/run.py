@@ -33,9 +33,11 @@ from jaxgpt.train.evals import InLoopEvals
 from jaxgpt.train.guard import DivergenceGuard, Verdict
 from jaxgpt.train.metrics import count_params, device_peak_flops, flops_per_step, plot_losses, read_metrics
 from jaxgpt.train.resume import Resuming
+from jaxgpt.train.preempt import Preempted, Preemption
 from jaxgpt.train.safety import Diverged, NonFiniteLoss, Safeguards
+from jaxgpt.train.stopping import Stopping
 
-__all__ = ["Diverged", "NonFiniteLoss", "Run", "build_model", "train"]
+__all__ = ["Diverged", "NonFiniteLoss", "Preempted", "Run", "build_model", "train"]
 
 
 # ---- the run --------------------------------------------------------------------------------------------
@@ -61,24 +63,30 @@ def build_model(cfg: TrainConfig, policy):
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training; returns a summary. Raises :class:`NonFiniteLoss` when training diverged."""
-    run = Run.set_up(cfg)
+    preemption = Preemption().install()  # SIGTERM / SIGINT: jaxgpt.train.preempt
     try:
-        run.resume()
-        run.announce()
-        run.step_loop()
-        run.finish()
+        run = Run.set_up(cfg, preemption=preemption)
+        try:
+            run.resume()
+            run.check_disk_space()
+            run.announce()
+            run.step_loop()
+            run.finish()
+        finally:
+            run.close()
     finally:
-        run.close()
+        preemption.uninstall()
     return run.summarise()
 
 
-class Run(Resuming, Safeguards, InLoopEvals):
+class Run(Resuming, Safeguards, InLoopEvals, Stopping):
     """The state of one training run between its phases (see the module docstring)."""
 
     def __init__(self, cfg: TrainConfig):
         self.cfg, self.t_start = cfg, time.perf_counter()
         self.lock = self.metrics = self.bar = self.ckpts = None
-        self.created_run_dir = False
+        self.created_run_dir = self.stopped_early = False
+        self.preemption: Preemption | None = None
         self.start_step, self.resumed_from, self.rollbacks, self.lineage = 0, None, 0, []
         self.rollback_skips: dict[int, int] = {}  # checkpoint step -> batches skipped past it so far
         self.last, self.val_loss, self.val_step, self.held, self.changes = {}, None, None, None, {}
@@ -89,7 +97,7 @@ class Run(Resuming, Safeguards, InLoopEvals):
 
     # ---- set-up ---------------------------------------------------------------------------------------------
     @classmethod
-    def set_up(cls, cfg: TrainConfig) -> "Run":
+    def set_up(cls, cfg: TrainConfig, *, preemption: Preemption | None = None) -> "Run":
         """Everything before the first step: the run directory's lock, the mesh, the data, the model and its
         jitted steps. Configuration errors come before anything is written."""
         import jax
@@ -98,6 +106,9 @@ class Run(Resuming, Safeguards, InLoopEvals):
 
         run = cls(cfg)
         run.pcount, run.pindex = jax.process_count(), jax.process_index()
+        run.preemption = preemption
+        if preemption is not None:
+            preemption.pindex, preemption.pcount = run.pindex, run.pcount
         run.mesh = mesh_lib.make_mesh(cfg.mesh)
         local_devices = sum(d.process_index == run.pindex for d in run.mesh.devices.flat)
         if cfg.batch_size % local_devices:
@@ -250,6 +261,8 @@ class Run(Resuming, Safeguards, InLoopEvals):
         debug_sleep = float(os.environ.get("JAXGPT_DEBUG_STEP_SLEEP", "0"))  # a test kills a run mid-way
         step, first = self.start_step, self.start_step + 1
         self.t_mark = time.perf_counter()
+        if self.preemption is not None:
+            self.preemption.start_loop()  # a signal now stops after the step in hand, saved (between_steps)
         while step < cfg.max_steps:
             step += 1
             if debug_sleep:
@@ -286,6 +299,8 @@ class Run(Resuming, Safeguards, InLoopEvals):
                 self.hold(step)
             if any(due.values()):
                 self.t_mark = time.perf_counter()  # their time is not the steps'
+            if step < cfg.max_steps:
+                self.between_steps(step)  # a failed checkpoint save; a signal (jaxgpt.train.stopping)
         self.bar.close()
 
     def sync(self) -> Verdict | None:
@@ -359,7 +374,8 @@ class Run(Resuming, Safeguards, InLoopEvals):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-                png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main else None
+                png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main and not self.stopped_early \
+                    else None
                 if self.metrics.tracker is not None:
                     self.metrics.tracker.finish(png)
             self._unlock()

@@ -1,0 +1,103 @@
+"""How a run stops early without losing work (mixed into :class:`jaxgpt.train.run.Run`): on SIGTERM / SIGINT
+(:mod:`jaxgpt.train.preempt`) it saves the step in hand; on a failed checkpoint save (a full disk) it stops at
+the next step with one message; and before the first step it checks that the disk can hold what the run keeps.
+
+Disk space (``keep_checkpoints`` checkpoints of the run's size, plus the one being written before the oldest is
+deleted, plus the best one with ``keep_best_checkpoint``) is checked against the free space of ``out_dir``'s
+file system, counting the checkpoints already there. Not enough: the run refuses to start (exit 2), naming the
+sizes; ``allow_low_disk: true`` turns that into a warning. The checkpoint size is measured (the newest saved
+step's files) when the run resumes, else estimated from the arrays (params + optimizer state; orbax adds a few
+kB of metadata and compresses little)."""
+
+from __future__ import annotations
+
+import os
+import time
+from jaxgpt import diskspace
+from jaxgpt.train.preempt import Preempted, signal_name
+
+DEBUG_SAVE_SLEEP = float(os.environ.get("JAXGPT_DEBUG_SAVE_SLEEP", "0"))  # tests: time to signal mid-save
+METADATA_BYTES = 1 << 20  # orbax's per-step metadata, the JSON items and the run's logs: a generous allowance
+
+
+class LowDisk(diskspace.WriteFailed):
+    """The disk cannot hold the checkpoints the run would keep (refused before the first step)."""
+
+
+class Stopping:
+    """``between_steps``, ``stop_on_signal`` and ``check_disk_space`` of a :class:`~jaxgpt.train.run.Run`."""
+
+    def between_steps(self, step: int) -> None:
+        """After step ``step`` and whatever was due at it: report a failed checkpoint save now (raises
+        :class:`~jaxgpt.checkpoint.manager.CheckpointWriteFailed`), and stop here on a signal (all processes at
+        the same step)."""
+        self.ckpts.check()
+        p = self.preemption
+        if p is not None:
+            stop = p.stop_at(step)
+            if stop is not None and step >= stop:
+                self.stop_on_signal(step)
+
+    def stop_on_signal(self, step: int) -> None:
+        """Save step ``step`` (after its checks: the pending steps through the divergence guard, then the state's
+        loss on the next batch, as for the final state; a diverged state is not saved), wait until it is
+        committed, and raise :class:`Preempted` saying what was saved and how to resume."""
+        p = self.preemption
+        t0 = time.perf_counter()
+        name = signal_name(p.signum)
+        p.start_saving(f"the save of step {step}")
+        self.stopped_early = True
+        previous = self.ckpts.latest_step()
+        verdict = self.sync() if self.pending else None
+        if verdict is None:
+            self.feed.seek(self.feed.position)  # drop the batch read ahead: the check reads step + 1's batch
+            verdict = self.check_final(step)
+        if verdict is not None:
+            self.recover(verdict, may_roll_back=False)  # raises NonFiniteLoss naming the last good checkpoint
+        self.held = None  # (a held checkpoint is of this very step, or was written by the sync above)
+        saved = self.ckpts.latest_step() != step
+        if DEBUG_SAVE_SLEEP:  # a test's room to send more signals around the save
+            time.sleep(DEBUG_SAVE_SLEEP)
+        self.save_now(step, {"loss": self.last.get("loss"), "checked": True, "preempted": name})
+        if DEBUG_SAVE_SLEEP:
+            time.sleep(DEBUG_SAVE_SLEEP)
+        self.ckpts.wait()
+        since = "" if previous is None else f" (the previous checkpoint was step {previous})"
+        what = (f"saved checkpoint step {step} in {time.perf_counter() - t0:.1f} s{since}" if saved
+                else f"checkpoint step {step} was already saved")
+        raise Preempted(f"{name}: stopped after step {step}; {what}, in {self.ckpts.directory}. Resume with the same "
+                        f"command (resume: auto continues from step {step}, bit for bit).", p.signum)
+
+    def check_disk_space(self) -> None:
+        """Before the first step: can the disk hold the checkpoints this run keeps? Refuse (:class:`LowDisk`) or,
+        with ``allow_low_disk``, warn."""
+        cfg = self.cfg
+        if self.start_step >= cfg.max_steps:
+            return
+        steps = self.ckpts.all_steps()
+        if steps:
+            size = diskspace.dir_bytes(self.ckpts.directory / str(steps[-1]))
+            how = f"measured: step {steps[-1]}"
+        else:
+            size = diskspace.tree_nbytes((self.state.params, self.state.opt_state)) + METADATA_BYTES
+            how = "estimated from the params and optimizer state"
+        at_peak = cfg.keep_checkpoints + 1 + int(cfg.keep_best_checkpoint)  # + the save being written
+        every = cfg.checkpoint_interval
+        saves_left = 1 + (len(range(self.start_step + every, cfg.max_steps, every)) if every else 0)
+        existing = sum(diskspace.dir_bytes(self.ckpts.directory / str(s)) for s in steps)
+        peak = min(at_peak, len(steps) + saves_left) * size
+        need = max(0, peak - existing)
+        free = diskspace.free_bytes(self.ckpts.directory)
+        if free is None or need <= free:
+            return
+        msg = (f"{self.ckpts.directory}: the run will keep up to {min(at_peak, len(steps) + saves_left)} "
+               f"checkpoints of {diskspace.human(size)} each ({how}; keep_checkpoints {cfg.keep_checkpoints}, plus "
+               "the one being written" + (", plus the best one" if cfg.keep_best_checkpoint else "") + "): "
+               f"{diskspace.human(need)} more than the {diskspace.human(existing)} there now, but only "
+               f"{diskspace.human(free)} is free on that file system")
+        if not cfg.allow_low_disk:
+            raise LowDisk(msg + ". Free space, choose an out_dir on a larger disk, lower keep_checkpoints, or "
+                          "train anyway with --allow_low_disk=true (a save that runs out of space then stops the "
+                          "run with exit status 2; the earlier checkpoints stay intact).")
+        self.say(f"  warning: {msg}; training anyway (allow_low_disk): a save that runs out of space will stop "
+                 "the run with exit status 2")
