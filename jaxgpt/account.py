@@ -11,7 +11,8 @@ Memory model (bytes, for one device; ``B`` sequences of ``T`` tokens per micro-s
 * grads: fp32, 4 N (they live inside the step until the optimizer consumes them).
 * gradient accumulator: 4 N more when ``grad_accum > 1`` (the sum over micro-steps).
 * optimizer state, fp32: adamw / adam 2 x 4 N (first and second moments), sgd with momentum 4 N,
-  adagrad 4 N (sum of squares), rmsprop 4 N (mean square). (Plus a scalar step count.)
+  adagrad 4 N (sum of squares), rmsprop 4 N (mean square); muon: one momentum buffer for its matrices
+  (4 x 12 L C^2) plus AdamW's two moments for the rest (2 x 4 (N - 12 L C^2)). (Plus a scalar step count.)
 * compute-dtype weight copies (bf16 only): the bf16 matmul saves its bf16 operands for the backward,
   weights included: 2 x (12 L C^2 + Vp C) bytes.
 * activations saved for the backward, derived tensor by tensor below.
@@ -96,6 +97,18 @@ from jaxgpt.flops import count_flops, conventions
 
 GiB = 1 << 30
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
+OPTIMIZERS = (*OPTIMIZER_STATES, "muon")  # muon's state is per part: optimizer_state_elements
+
+
+def optimizer_state_elements(config: GPTConfig, optimizer: str, n: int) -> int:
+    """fp32 elements of the optimizer state for ``n`` parameters: states x n, or for Muon one momentum buffer per
+    Muon matrix element and AdamW's two moments for the rest (jaxgpt.muon's routing)."""
+    if optimizer == "muon":
+        from jaxgpt.flops import muon_matrix_params
+
+        n_muon = muon_matrix_params(config)
+        return n_muon + 2 * (n - n_muon)
+    return OPTIMIZER_STATES[optimizer] * n
 PRECISIONS = ("fp32", "bf16")
 MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp8")
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
@@ -543,7 +556,7 @@ def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None =
     return MemoryEstimate(
         params=per_device(4 * n), grads=per_device(4 * n),
         grad_accumulator=per_device(4 * n) if grad_accum > 1 else 0,
-        optimizer_state=per_device(OPTIMIZER_STATES[optimizer] * 4 * n),
+        optimizer_state=per_device(4 * optimizer_state_elements(config, optimizer, n)),
         weight_copies=weight_copies, activations=acts, device_bytes=device_bytes, state_shards=shards,
         gathered_weights=4 * n if shards > 1 else 0)
 
@@ -557,8 +570,8 @@ def _validate(config: GPTConfig, *, batch_size: Any, seq_len: Any, precision: st
         raise AccountError(f"seq_len = {seq_len}: must be <= block_size ({config.block_size})")
     if precision not in PRECISIONS:
         raise AccountError(f"precision = {precision!r}: allowed values are {list(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise AccountError(f"unknown optimizer {optimizer!r}; valid optimizers are {sorted(OPTIMIZER_STATES)}")
+    if optimizer not in OPTIMIZERS:
+        raise AccountError(f"unknown optimizer {optimizer!r}; valid optimizers are {sorted(OPTIMIZERS)}")
     if attention not in ATTENTION_IMPLS:
         raise AccountError(f"attention = {attention!r}: allowed values are {list(ATTENTION_IMPLS)}")
 
@@ -658,7 +671,14 @@ class Account:
                 f"  per token: forward {self.flops_per_token / 3:,.0f}, training {self.flops_per_token:,.0f} "
                 f"(causal-halved {self.flops_per_token_causal:,.0f}; 6N = {6 * p.total:,})",
                 f"  per step: {self.flops_per_step:,} ({self.flops_per_step / 1e12:,.2f} TFLOP)"
-                + (" per device" if self.devices > 1 else ""), "",
+                + (" per device" if self.devices > 1 else "")]
+        if self.optimizer == "muon":  # optimizer work: not in the model FLOPs MFU is defined on
+            from jaxgpt.flops import newton_schulz_flops
+
+            ns = newton_schulz_flops(cfg)["matmul"]
+            out.append(f"  Muon's Newton-Schulz (5 steps, q/k/v split): {ns:,} matmul FLOPs per optimizer step, "
+                       f"{ns / (self.flops_per_step * self.devices):.2%} of the step's model FLOPs (not in MFU)")
+        out += ["",
                 f"Time at {self.mfu:.0%} MFU of {self.peak_flops / 1e12:,.1f} TFLOP/s ({self.matmul_dtype} dense peak)",
                 f"  step {self.step_time_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s"
                 + (f" on {self.devices} devices" if self.devices > 1 else ""),
@@ -767,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per micro-step over all devices of --mesh (split evenly)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default block_size)")
     p.add_argument("--precision", default="bf16", help="fp32 or bf16 compute (params stay fp32); default bf16")
-    p.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_STATES)} (default adamw)")
+    p.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--device", default="h100-sxm", help=f"one of {', '.join(DEVICES)} (default h100-sxm)")
     p.add_argument("--matmul-dtype", default=None, help="peak to use: fp32, tf32, bf16, fp8 (default from precision)")

@@ -1,0 +1,191 @@
+"""jaxgpt.muon / OptimConfig(name='muon'): config checks, the chain is optax.contrib.muon where the two rules
+coincide, it trains, the q/k/v split, accounting (memory and Newton-Schulz FLOPs), and resume refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+from jaxgpt import account as acc
+from jaxgpt.config import ConfigError, GPTConfig
+from jaxgpt.flops import muon_matrix_params, newton_schulz_flops, nonmatmul_flops
+from jaxgpt.model import GPT
+from jaxgpt.muon import is_muon_matrix, muon_labels
+from jaxgpt.optim import OptimConfig, current_lr, lr_schedule, make_optimizer
+from jaxgpt.train.changes import classify, optimizer_state_differs
+from jaxgpt.config import to_dict
+
+CFG = GPTConfig.preset("tiny", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def params():
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))), nnx.Param)
+    rng = np.random.default_rng(0)
+    for path, var in nnx.to_flat_state(state):
+        var.set_value(jnp.asarray(rng.normal(0, 0.02, var.get_value().shape) + (path[-1] == "scale"), jnp.float32))
+    return state
+
+
+def grads_like(params, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jnp.asarray(rng.normal(0, 1e-2, p.shape), jnp.float32), params)
+
+
+@pytest.mark.parametrize("field, value, msg", [
+    ("muon_ns_dtype", "float16", "allowed values are"), ("muon_ns_coeffs", (1.0, 2.0), "three finite numbers"),
+    ("muon_qkv", "three", "allowed values are"), ("muon_lr", 0.0, "> 0"), ("muon_momentum", 1.0, r"\[0, 1\)"),
+    ("muon_ns_steps", 0, ">= 1"), ("muon_lr_adjust", "moonshot", "allowed values are")])
+def test_config_errors(field, value, msg):
+    with pytest.raises(ConfigError, match=f"OptimConfig.{field} = .*{msg}"):
+        OptimConfig(name="muon", **{field: value})
+
+
+def test_yaml_style_dict_round_trip():
+    cfg = OptimConfig.from_dict({"name": "muon", "muon_ns_coeffs": [3.0, -4.0, 2.0], "muon_lr": 0.05})
+    assert cfg.muon_ns_coeffs == (3.0, -4.0, 2.0) and OptimConfig.from_dict(to_dict(cfg)) == cfg
+
+
+def test_routing_names():
+    assert is_muon_matrix("h.11.attn.c_attn.kernel") and is_muon_matrix("h.0.mlp.c_proj.kernel")
+    for name in ("wte.embedding", "wpe.embedding", "h.0.attn.c_attn.bias", "h.0.ln_1.scale", "lm_head.kernel"):
+        assert not is_muon_matrix(name)
+
+
+def test_equals_optax_contrib_muon_where_the_rules_coincide(params):
+    """No Nesterov, fused qkv, fp32, no decay, no clipping, constant lr: optax.contrib.muon's bias-corrected EMA
+    points where torch's uncorrected one does (Newton-Schulz normalises the scale away), its Adam part is plain
+    AdamW, and our routing given as its dimension numbers: the two chains give the same updates."""
+    lr, muon_lr, eps = 1e-3, 0.02, 1e-30
+    cfg = OptimConfig(name="muon", lr=lr, muon_lr=muon_lr, muon_nesterov=False, muon_qkv="fused",
+                      muon_ns_dtype="float32", weight_decay=0.0, muon_weight_decay=0.0, grad_clip=0.0,
+                      schedule="constant", warmup_steps=0, eps=eps)
+    dims = jax.tree.map(lambda label: MuonDimensionNumbers(0, 1) if label == "muon" else None, muon_labels(params))
+    theirs = optax.contrib.muon(muon_lr, beta=cfg.muon_momentum, eps=eps, nesterov=False, adam_b1=cfg.beta1,
+                                adam_b2=cfg.beta2, adam_learning_rate=lr, muon_weight_dimension_numbers=dims)
+    ours = make_optimizer(cfg)
+
+    def run(opt):
+        @jax.jit
+        def go(p):
+            s, out = opt.init(p), []
+            for i in range(3):
+                u, s = opt.update(grads_like(p, i), s, p)
+                out.append(u)
+            return out
+        return go(params)
+
+    for u1, u2 in zip(run(ours), run(theirs)):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(u1), jax.tree.leaves(u2)):
+            b = np.asarray(b)  # fp32 rounding of the two orders of work: 1e-5 of the update's scale
+            np.testing.assert_allclose(np.asarray(a), b, rtol=0, atol=1e-5 * np.abs(b).max(),
+                                       err_msg=jax.tree_util.keystr(path))
+    # and with Nesterov (the default) they differ: optax.contrib's bias-corrected Nesterov is another direction
+    ours_n = make_optimizer(cfg.replace(muon_nesterov=True))
+    theirs_n = optax.contrib.muon(muon_lr, beta=cfg.muon_momentum, eps=eps, nesterov=True, adam_b1=cfg.beta1,
+                                  adam_b2=cfg.beta2, adam_learning_rate=lr, muon_weight_dimension_numbers=dims)
+    a, b = run(ours_n)[1], run(theirs_n)[1]  # the second step: the first is the same direction in both
+    k = ("h", 0, "mlp", "c_fc", "kernel")
+    a, b = dict(nnx.to_flat_state(a))[k].get_value(), dict(nnx.to_flat_state(b))[k].get_value()
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-2 * np.abs(np.asarray(b)).max()
+
+
+def test_split_and_fused_differ_only_on_c_attn(params):
+    g = grads_like(params, 0)
+    up = {}
+    for qkv in ("split", "fused"):
+        opt = make_optimizer(OptimConfig(name="muon", muon_qkv=qkv, muon_ns_dtype="float32", warmup_steps=0))
+        up[qkv] = dict(nnx.to_flat_state(jax.jit(lambda p: opt.update(g, opt.init(p), p)[0])(params)))
+    for path in up["split"]:
+        a, b = np.asarray(up["split"][path].get_value()), np.asarray(up["fused"][path].get_value())
+        if path[-2:] == ("c_attn", "kernel"):
+            assert not np.allclose(a, b, rtol=1e-2)
+            C = a.shape[0]  # split: each of q, k, v is an orthogonalised (C, C) block, -lr x NS(...)
+            for i in range(3):
+                s = np.linalg.svd(a[:, i * C:(i + 1) * C], compute_uv=False) / 0.02  # lr: muon_lr, no warmup
+                assert 0.5 < np.median(s) and s.max() < 1.6  # Newton-Schulz's singular values (~U(0.5, 1.5))
+            s = np.linalg.svd(b, compute_uv=False) / (0.02 * 3 ** 0.5)  # fused: one (C, 3C), scaled sqrt(3C / C)
+            assert 0.5 < np.median(s) and s.max() < 1.6
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_trains_and_reports_both_learning_rates(params):
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(0, CFG.vocab_size, (4, 32)), jnp.int32)
+    y = jnp.roll(x, -1, axis=1)
+    cfg = OptimConfig(name="muon", lr=3e-3, muon_lr=0.02, warmup_steps=2, decay_steps=20)
+    opt = make_optimizer(cfg)
+
+    @jax.jit
+    def step(p, s):
+        loss, g = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(x, y))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p, s = params, jax.jit(opt.init)(params)
+    losses = []
+    for i in range(8):
+        p, s, loss = step(p, s)
+        losses.append(float(loss))
+        assert float(current_lr(s)) == pytest.approx(float(lr_schedule(cfg)(i)), rel=1e-6)
+        assert float(s.hyperparams["muon_learning_rate"]) == pytest.approx(float(lr_schedule(cfg)(i)) * 0.02 / 3e-3,
+                                                                           rel=1e-5)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+# ---- accounting --------------------------------------------------------------------------------------------------
+def test_account_muon_state_and_newton_schulz_flops(params):
+    n = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(params))
+    n_muon = muon_matrix_params(CFG)
+    assert n_muon == sum(int(np.prod(v.get_value().shape)) for path, v in nnx.to_flat_state(params)
+                         if is_muon_matrix(".".join(map(str, path))))
+    # the state optax actually builds: one buffer per Muon element, two per AdamW element (+ scalars)
+    opt_state = jax.eval_shape(make_optimizer(OptimConfig(name="muon")).init, params)
+    elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(opt_state) if x.ndim >= 1)
+    assert elements == acc.optimizer_state_elements(CFG, "muon", n) == n_muon + 2 * (n - n_muon)
+    gpt2 = GPTConfig.preset("gpt2")
+    m = acc.estimate_memory(gpt2, batch_size=4, optimizer="muon")
+    big_n = acc.count_params(gpt2).total
+    assert m.optimizer_state == 4 * (12 * 12 * 768 ** 2 + 2 * (big_n - 12 * 12 * 768 ** 2))
+    assert m.optimizer_state < acc.estimate_memory(gpt2, batch_size=4, optimizer="adamw").optimizer_state
+    # Newton-Schulz FLOPs: 300 C^3 per layer for 5 split steps (matmuls); fused c_attn: 14 C^3 instead of 18 C^3
+    C = 768
+    assert newton_schulz_flops(gpt2)["matmul"] == 12 * 300 * C ** 3
+    assert newton_schulz_flops(gpt2, split_qkv=False)["matmul"] == 12 * (300 - 5 * 4) * C ** 3
+    nm = nonmatmul_flops(gpt2, 1024, optimizer="muon")["optimizer"]
+    assert nm > newton_schulz_flops(gpt2)["matmul"] > 0
+
+
+def test_newton_schulz_flops_match_xla():
+    """XLA's count of jaxgpt's Newton-Schulz (the orthogonalisation alone, lowered) equals the analytic one."""
+    from jaxgpt.muon import orthogonalize
+
+    cfg = OptimConfig(name="muon", muon_ns_dtype="float32")
+    C = CFG.n_embd
+    total = 0
+    for shape, dims in (((C, 3, C), MuonDimensionNumbers(0, 2)), ((C, C), None), ((C, 4 * C), None),
+                        ((4 * C, C), None)):
+        lowered = jax.jit(lambda x: orthogonalize(x, cfg, dims)).lower(jax.ShapeDtypeStruct(shape, jnp.float32))
+        total += lowered.cost_analysis()["flops"]
+    ns = newton_schulz_flops(CFG)
+    assert total == pytest.approx((ns["matmul"] + ns["elementwise"]) / CFG.n_layer, rel=0.02)  # one layer's
+
+
+# ---- resume --------------------------------------------------------------------------------------------------
+def test_resuming_adamw_as_muon_is_refused_with_the_fix():
+    saved, requested = {"optim": to_dict(OptimConfig())}, {"optim": to_dict(OptimConfig(name="muon"))}
+    refused, allowed = classify(saved, requested)
+    assert any(r.startswith("optim.name: 'adamw' -> 'muon'") and "use --optim.name=adamw" in r for r in refused)
+    # a Muon run: its lrs, decay, coefficients, q/k/v split and the Newton-Schulz dtype change nothing in the state
+    base = OptimConfig(name="muon")
+    for change in (dict(muon_lr=0.05), dict(muon_qkv="fused"), dict(muon_ns_dtype="float32"),
+                   dict(muon_weight_decay=0.1), dict(muon_nesterov=False), dict(lr=1e-3)):
+        assert not optimizer_state_differs(to_dict(base), to_dict(base.replace(**change))), change
+    assert optimizer_state_differs(to_dict(base), to_dict(base.replace(grad_clip=0.0)))
