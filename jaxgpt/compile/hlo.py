@@ -149,6 +149,7 @@ class Kernel:
     count: int
     matmul_dtype: str | None  # operand dtype of its GEMM, if it has one
     op_name: str
+    loop_depth: int = 0  # 0: runs once per step; 1: inside the accumulation loop; ...
 
 
 def _dot_flops(result: Array, lhs: Array, contracting: list[int]) -> float:
@@ -256,7 +257,8 @@ class Rollup:
         elif ins.opcode not in _NOT_FLOPS and ins.shapes and ins.opcode not in COLLECTIVES:
             flops = ins.shapes[0].elements
         nbytes = self._operand_bytes(comp, ins) + self._result_bytes(comp, ins)
-        return Kernel(ins.name, kind, categorize(ins, kind, dot_dtype), flops, nbytes, times, dot_dtype, ins.op_name)
+        return Kernel(ins.name, kind, categorize(ins, kind, dot_dtype), flops, nbytes, times, dot_dtype, ins.op_name,
+                      loop_depth)
 
     def _library_flops(self, comp: str, ins: Instr, target: str) -> tuple[float, str | None]:
         operands = [self.m.instr_shape(comp, o) for o in ins.operands]
@@ -303,7 +305,7 @@ def categorize(ins: Instr, kind: str, dot_dtype: str | None) -> str:
             return "attention (einsum)"
         return "matmuls bwd" if bwd else "matmuls fwd"
     if "attention" in name:
-        return "attention (einsum)"
+        return "attention: casts, layout"
     if "layer_norm" in name:
         return "LayerNorm"
     if "gelu" in name:

@@ -18,6 +18,7 @@ from jaxgpt.compile.hlo import Kernel
 
 # the table's rows, in reading order (a category no kernel falls in is left out)
 CATEGORIES = ["matmuls fwd", "matmuls bwd", "attention fwd (cuDNN)", "attention bwd (cuDNN)", "attention (einsum)",
+              "attention: casts, layout",
               "lm_head + cross-entropy", "LayerNorm", "GELU", "embedding", "optimizer", "copies / layout",
               "other elementwise", "collectives"]
 

@@ -1,0 +1,20 @@
+"""``python -m jaxgpt.compile``: compile a training config's real train step for a GPU this machine does not
+have, and print its memory, the largest micro-batch that fits, how it lowered, and a roofline step time.
+
+    python -m jaxgpt.compile --config configs/gpt2-124m.yaml --target h100 [--devices 8] [--micro-batch 16]
+                             [--no-search] [--mem-fraction 0.75] [--json FILE] [--set FIELD=VALUE ...]
+
+Needs JAX's CUDA plugin at jaxlib's version (``pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import
+jaxlib; print(jaxlib.__version__)')"``); runs on a CPU-only machine (JAX_PLATFORMS=cpu is set here, before jax
+is imported). Exit codes: 0 fits, 2 a usage or set-up problem (plugin, target, config) or the config's micro-batch
+does not fit.
+"""
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported: the plugin stays loaded for compile-only use
+    from jaxgpt.compile.cli import main
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,186 @@
+"""The command behind ``python -m jaxgpt.compile`` (see :mod:`jaxgpt.compile.__main__`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxgpt.compile.targets import TARGETS, CompileError
+
+GiB = 2**30
+POOL_FREE = 0.10  # of JAX's memory pool kept free when searching: allocator fragmentation, cuDNN/cuBLAS scratch
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # usage errors: exit 2 with one line, no traceback
+        self.exit(2, f"python -m jaxgpt.compile: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m jaxgpt.compile", description=__doc__)
+    p.add_argument("--config", default=None, help="training YAML (default: jaxgpt.train's default preset)")
+    p.add_argument("--target", default="h100", help=f"GPU: {', '.join(TARGETS)} (default h100 = h100-sxm)")
+    p.add_argument("--devices", type=int, default=1, help="GPUs of one host: data parallel over them (default 1)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="rows per device per micro-step (default: the config's batch_size over the devices)")
+    p.add_argument("--no-search", action="store_true", help="skip the search for the largest micro-batch that fits")
+    p.add_argument("--mem-fraction", type=float, default=0.75,
+                   help="share of device memory JAX's pool takes (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75)")
+    p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="config override, as jaxgpt.train's --FIELD=VALUE (e.g. --set optim.name=sgd)")
+    return p
+
+
+def load_config(path: str | None, sets: list[str]):
+    from jaxgpt.config import ConfigError
+    from jaxgpt.train.config import TrainConfig
+
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise CompileError(f"--set {item!r}: expected FIELD=VALUE")
+        overrides[key] = yaml.safe_load(value) if value else ""
+    if path is not None and not Path(path).is_file():
+        raise CompileError(f"--config {path}: no such file")
+    try:
+        return TrainConfig.load(path, overrides)
+    except ConfigError as e:
+        raise CompileError(str(e)) from None
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything one compile tells: printed and written as JSON."""
+
+    data: dict[str, Any]
+    lines: list[str]
+
+
+def fits(total: int, target, mem_fraction: float) -> tuple[bool, float]:
+    pool = target.device_memory_size * mem_fraction
+    return total <= pool * (1 - POOL_FREE), pool
+
+
+def describe(cs, target, mem_fraction: float) -> Report:
+    """The memory table, lowering, prediction of one compiled step."""
+    from jaxgpt.compile import hlo, inspect, predict
+    from jaxgpt.flops import count_flops
+
+    cfg = cs.cfg
+    text = cs.hlo_text()
+    kernels, unknown_loops = hlo.kernels(text)
+    mem = cs.memory()
+    ok, pool = fits(mem["total"], target, mem_fraction)
+    model_cfg = cfg.model if cfg.dropout is None else cfg.model.replace(dropout=cfg.dropout)
+    fc = count_flops(model_cfg, cfg.seq_len, batch_size=cs.micro_batch, grad_accum=cs.micro_steps)
+    tokens = cs.micro_batch * cs.micro_steps * cfg.seq_len
+    pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=fc.training_per_step, tokens=tokens)
+    st = inspect.structure(text, kernels, seq_len=cfg.seq_len)
+    lines = [
+        f"step: micro-batch {cs.micro_batch} x {cfg.seq_len} per device x {cs.n_devices} device(s), {cs.micro_steps} "
+        f"micro-step(s): {cs.tokens_per_step:,} tokens per optimizer step; compute {cs.policy.compute_dtype}, "
+        f"optimizer {cfg.optim.name}, mesh {dict(cs.mesh.shape)}",
+        f"compile: lower {cs.lower_s:.1f} s, compile {cs.compile_s:.1f} s (compile-only: no GEMM autotuning)",
+        "memory per device (XLA memory_analysis):",
+        f"  arguments {mem['argument'] / GiB:8.2f} GiB   (params + optimizer state + batch; "
+        f"{mem['alias'] / GiB:.2f} GiB donated, reused for the outputs)",
+        f"  temporary {mem['temp'] / GiB:8.2f} GiB   (activations, gradients, accumulators, scratch)",
+        f"  total     {mem['total'] / GiB:8.2f} GiB   of {target.device_memory_size / GiB:.1f} GiB "
+        f"({mem['total'] / target.device_memory_size:.0%}); JAX's pool at --mem-fraction {mem_fraction:g}: "
+        f"{pool / GiB:.1f} GiB -> " + ("fits" if ok else "DOES NOT FIT"),
+        *st.lines(cfg.seq_len),
+        "",
+        "predicted from the compiled kernels (a roofline lower bound on time, not a measurement):",
+        pred.table(peak=target.peak_bf16, peak_name=f"{target.name} dense bf16 {target.peak_bf16 / 1e12:,.0f} "
+                                                    f"TFLOP/s, {target.memory_bandwidth / 1e12:.2f} TB/s"),
+    ]
+    if unknown_loops:
+        lines.append(f"note: {unknown_loops} loop(s) without a recorded trip count were counted once")
+    data = dict(micro_batch=cs.micro_batch, micro_steps=cs.micro_steps, devices=cs.n_devices,
+                tokens_per_step=cs.tokens_per_step, seq_len=cfg.seq_len, compute=cs.policy.compute_dtype,
+                lower_s=cs.lower_s, compile_s=cs.compile_s, memory=mem, fits=ok, pool_bytes=pool,
+                structure=dataclasses.asdict(st), prediction=pred.to_dict(),
+                predicted_mfu=pred.mfu(target.peak_bf16), predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
+    return Report(data, lines)
+
+
+def search(cfg, devices, target, mem_fraction: float, known: dict[int, int], say) -> dict[str, Any]:
+    """The largest micro-batch (a power of two dividing the batch, so accumulation still makes it up) whose
+    compiled step fits JAX's pool with :data:`POOL_FREE` of it free."""
+    from jaxgpt.compile.program import compile_train_step
+
+    per_device_rows = (cfg.total_batch_tokens or cfg.batch_size * cfg.seq_len) // cfg.seq_len // len(devices)
+    tried: dict[int, float] = {}
+    start = min(known)
+    mb, best = 1, None
+    while mb <= max(per_device_rows, 1):
+        if mb >= start // 2 or mb == per_device_rows:
+            try:
+                total = known.get(mb) or compile_train_step(cfg, devices, micro_batch=mb).memory()["total"]
+            except CompileError:
+                break
+            tried[mb] = total
+            ok, _ = fits(total, target, mem_fraction)
+            say(f"  micro-batch {mb:>4}: {total / GiB:6.2f} GiB " + ("fits" if ok else "does not fit"))
+            if not ok:
+                break
+            best = mb
+        mb *= 2
+    return dict(best=best, tried={str(k): v for k, v in tried.items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = lambda *a: print(*a, flush=True)  # noqa: E731
+    try:
+        from jaxgpt.compile.program import compile_train_step
+        from jaxgpt.compile.targets import get_target, topology_devices
+
+        if not 0 < args.mem_fraction <= 1:
+            raise CompileError(f"--mem-fraction {args.mem_fraction}: must be in (0, 1]")
+        target = get_target(args.target)
+        cfg = load_config(args.config, args.set)
+        if args.micro_batch is not None and args.micro_batch < 1:
+            raise CompileError(f"--micro-batch {args.micro_batch}: must be >= 1")
+        devices = topology_devices(target, args.devices)
+        import jax
+        import jaxlib
+
+        say(f"jaxgpt.compile: {args.config or 'default config'} for {args.devices} x {target.name} "
+            f"({target.device_kind}; {target.source}); jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+            f"compile-only (nothing runs)")
+        cs = compile_train_step(cfg, devices, micro_batch=args.micro_batch)
+        report = describe(cs, target, args.mem_fraction)
+        say("\n".join(report.lines))
+        data = dict(target=target.name, config=args.config, overrides=args.set, jax=jax.__version__, **report.data)
+        if not args.no_search:
+            say(f"largest micro-batch that fits (powers of two, {POOL_FREE:.0%} of the pool kept free):")
+            found = search(cfg, devices, target, args.mem_fraction, {cs.micro_batch: report.data["memory"]["total"]}, say)
+            data["search"] = found
+            if found["best"]:
+                steps = max(1, (cfg.total_batch_tokens or 0) // (found["best"] * len(devices) * cfg.seq_len))
+                say(f"  -> micro-batch {found['best']} per device ({steps} micro-step(s) per optimizer step)")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+        if not report.data["fits"]:
+            print(f"error: micro-batch {cs.micro_batch} does not fit: the step needs "
+                f"{report.data['memory']['total'] / GiB:.2f} GiB per device, JAX's pool on {target.name} is "
+                f"{report.data['pool_bytes'] / GiB:.1f} GiB; use a smaller batch_size (with total_batch_tokens kept, "
+                f"accumulation makes up the rest) or more devices with an fsdp mesh", file=sys.stderr)
+            return 2
+        return 0
+    except CompileError as e:
+        print(f"python -m jaxgpt.compile: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("python -m jaxgpt.compile: interrupted", file=sys.stderr)
+        return 130
