@@ -189,3 +189,52 @@ def test_resuming_adamw_as_muon_is_refused_with_the_fix():
                    dict(muon_weight_decay=0.1), dict(muon_nesterov=False), dict(lr=1e-3)):
         assert not optimizer_state_differs(to_dict(base), to_dict(base.replace(**change))), change
     assert optimizer_state_differs(to_dict(base), to_dict(base.replace(grad_clip=0.0)))
+
+
+# ---- the train CLI: a Muon run, SIGKILLed and resumed bit for bit ------------------------------------------------
+@pytest.mark.slow
+def test_cli_muon_run_sigkill_resume_bit_identical(tmp_path, tmp_path_factory):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.test_train import REPO, losses, read_metrics, run, train_cmd
+
+    cache = tmp_path_factory.mktemp("xla_cache_muon")
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu"}
+    muon = ["--optim.name=muon", "--optim.muon_lr=0.02"]
+    ref = tmp_path / "ref"
+    proc = run(train_cmd(ref, "--sample_interval=0", *muon), env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = [r for r in read_metrics(ref) if r["type"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] and len(train) == 12
+
+    out = tmp_path / "killed"
+    slow = {**env, "JAXGPT_DEBUG_STEP_SLEEP": "0.25"}
+    p = subprocess.Popen(train_cmd(out, *muon), cwd=REPO, env=slow, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            done = [r["step"] for r in read_metrics(out) if r["type"] == "train"] if out.exists() else []
+            saved = [int(q.name) for q in (out / "checkpoints").glob("[0-9]*") if q.name.isdigit()] \
+                if (out / "checkpoints").exists() else []
+            if saved and done and max(done) >= min(saved) + 2:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, p.stderr.read()[-2000:]
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert max(r["step"] for r in read_metrics(out) if r["type"] == "train") < 12
+    resumed = run(train_cmd(out, "--resume=must", *muon), env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(out) == losses(ref)  # Muon's momentum and AdamW's moments came back exactly
+    # and resuming the Muon run as AdamW is refused, naming the field and the fix
+    again = run(train_cmd(out, "--resume=must", "--max_steps=14"), env)
+    assert again.returncode == 2 and "optim.name: 'muon' -> 'adamw'" in again.stderr
+    assert "use --optim.name=muon" in again.stderr and "Traceback" not in again.stderr
