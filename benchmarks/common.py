@@ -3,7 +3,8 @@ launching one measurement in its own subprocess, and statistics.
 
 Every measured variant runs in a fresh ``python -m benchmarks.worker`` process so that its peak RSS is its own
 and no allocator or thread-pool state leaks from one variant to the next. All workers of one invocation get the
-same environment (:func:`worker_env`), whichever framework they use.
+same environment (:func:`worker_env`), whichever framework they use. Every module of ``benchmarks/`` (and of
+``benchmarks/gpu/``) may import this one; it imports none of them.
 """
 
 from __future__ import annotations
@@ -76,12 +77,14 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_worker(spec: dict[str, Any], env: dict[str, str], *, timeout: float = 1800) -> dict[str, Any]:
-    """Run one measurement (``spec``) in a fresh subprocess; its JSON result, or ``{"error": ...}``."""
+def run_worker(spec: dict[str, Any], env: dict[str, str], *, timeout: float = 1800,
+               module: str = "benchmarks.worker") -> dict[str, Any]:
+    """Run one measurement (``spec``) in a fresh ``python -m <module>`` subprocess (the CPU worker, or the GPU
+    harness's ``benchmarks.gpu.worker``); its JSON result, or ``{"error": ...}``."""
     TMP.mkdir(parents=True, exist_ok=True)
     out = TMP / f"worker-{os.getpid()}-{time.time_ns()}.json"
     spec = {**spec, "out": str(out)}
-    cmd = [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", module, json.dumps(spec)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -95,6 +98,22 @@ def run_worker(spec: dict[str, Any], env: dict[str, str], *, timeout: float = 18
     out.unlink(missing_ok=True)
     result["process_s"] = round(wall, 2)
     return result
+
+
+def ensure_init(preset: str, overrides: dict | None = None) -> Path:
+    """torch_ref's seeded initial weights for ``preset`` (with config ``overrides``), written once to the scratch
+    dir (every orchestrator's variants, CPU and GPU, start from them)."""
+    tag = "".join(f"-{k}={v}" for k, v in sorted((overrides or {}).items()))
+    path = TMP / f"init-{preset}{tag}.npz"
+    if not path.exists():
+        TMP.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.stem + ".partial.npz")
+        res = run_worker({"task": "init", "config": preset, "overrides": overrides or {}, "path": str(tmp)},
+                         worker_env("default"))
+        if "error" in res:
+            raise RuntimeError(f"could not make initial weights: {res['error']}")
+        tmp.replace(path)
+    return path
 
 
 # ---- precisions a framework cannot run here -----------------------------------------------------------------
@@ -240,8 +259,14 @@ def dirty_files() -> list[str]:
 
 
 def command_line() -> str:
+    """The command this process runs as ``python -m benchmarks.<module> <args>`` (``benchmarks.gpu.bench`` for
+    a module of a subpackage)."""
     args = " ".join(sys.argv[1:])
-    mod = Path(sys.argv[0]).stem
+    path = Path(sys.argv[0]).resolve().with_suffix("")
+    try:
+        mod = ".".join(path.relative_to(ROOT / "benchmarks").parts)
+    except ValueError:
+        mod = path.name
     return f"python -m benchmarks.{mod} {args}".strip()
 
 

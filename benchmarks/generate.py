@@ -18,12 +18,11 @@ from typing import Any
 
 from benchmarks import common
 from benchmarks.gen_impl import GEN_VARIANTS
-from benchmarks.train_step import ensure_init
 
 
 def run(*, preset: str, prompt_counts: list[int], variants: list[str], new: int, prompt_len: int, rounds: int,
         repeats: int, allocator: str, log=print) -> dict[str, Any]:
-    init = ensure_init(preset)
+    init = common.ensure_init(preset)
     env = common.worker_env(allocator)
     started, load_start = time.time(), common.loadavg()
     raw: dict[str, list[dict]] = {}

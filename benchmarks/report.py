@@ -223,24 +223,25 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
 def gpu_section() -> list[str]:
     """The GPU tables written by the harness on a GPU (``train_step-gpu-<device>*.json``, the A/B, the profile),
     or what to run where there are none yet."""
-    from benchmarks import gpu_bench
+    from benchmarks.gpu import bench
 
     tables = sorted(p for p in common.RESULTS.glob("train_step-gpu-*.json") if "dry" not in p.name)
     out = ["## GPU: gpt2 124M against torch.compile", ""]
     if not tables:
         return out + [
             "**Not yet measured**: no GPU has been lent to this project's sessions since the GPU harness was built "
-            "(issue 15). On a GPU, `python -m benchmarks.train_step --device gpu` writes "
+            "(issue 15). On a GPU, `python -m benchmarks.gpu.bench` writes "
             "`train_step-gpu-<device>.json` (jaxgpt's bf16 default against torch_ref under torch.compile + bf16 "
             "autocast + flash SDPA + fused AdamW, and eager, at micro-batch 16, 32, 64, 128 until one does not "
             "fit, with tokens/s, MFU against the device's dense bf16 peak, peak memory and the cold first step), "
-            "and `python -m benchmarks.gpu_session {table,ab,profile,parity}` runs the whole plan (the A/B of the "
-            "XLA flags and kernel choices, the traced step summarised by `benchmarks.gpu_profile`, the end-to-end "
+            "and `python -m benchmarks.gpu.session {table,ab,profile,parity}` runs the whole plan (the A/B of the "
+            "XLA flags and kernel choices, the traced step summarised by `benchmarks.gpu.profile`, the end-to-end "
             "`python -m jaxgpt.train` check, the CUDA parity tests) in parts of under 10 minutes. "
-            "`python -m benchmarks.train_step --device gpu --dry` rehearses the same code on the CPU.", ""]
+            "`python -m benchmarks.gpu.bench --dry` rehearses the same code on the CPU (the GPU tools: "
+            "`benchmarks/gpu/`).", ""]
     for p in tables:
         res = json.loads(p.read_text())
-        out += [f"### `{p.stem}`", "", gpu_bench.markdown(res), "", f"Command: `{res['command']}`", ""]
+        out += [f"### `{p.stem}`", "", bench.markdown(res), "", f"Command: `{res['command']}`", ""]
     for name, title in (("gpu-ab", "jaxgpt A/B, one knob at a time"),):
         md = common.RESULTS / f"{name}.md"
         if md.exists():

@@ -3,7 +3,7 @@
     python -m benchmarks.train_step --config small --variants all --rounds 3 --steps 10
     python -m benchmarks.train_step --config gpt2 --rounds 2 --steps 10 --allocator tuned
     python -m benchmarks.train_step --quick        # CI: small, jaxgpt's default vs torch eager, ratio check
-    python -m benchmarks.train_step --device gpu   # on a GPU: jaxgpt vs torch.compile (benchmarks.gpu_bench)
+    python -m benchmarks.train_step --device gpu   # on a GPU: jaxgpt vs torch.compile (benchmarks.gpu.bench)
 
 Every (variant, round) runs in a fresh subprocess (``benchmarks.worker``) with the same environment; the
 variants are launched round-robin, the order rotated every round, so machine drift hits all of them alike.
@@ -57,27 +57,11 @@ def quick_variants() -> list[str]:
     return [d, eager_twin(d)]
 
 
-def ensure_init(preset: str, overrides: dict | None = None) -> Path:
-    """torch_ref's seeded initial weights for ``preset`` (with config ``overrides``), written once to the scratch
-    dir."""
-    tag = "".join(f"-{k}={v}" for k, v in sorted((overrides or {}).items()))
-    path = common.TMP / f"init-{preset}{tag}.npz"
-    if not path.exists():
-        common.TMP.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.stem + ".partial.npz")
-        res = common.run_worker({"task": "init", "config": preset, "overrides": overrides or {}, "path": str(tmp)},
-                                common.worker_env("default"))
-        if "error" in res:
-            raise RuntimeError(f"could not make initial weights: {res['error']}")
-        tmp.replace(path)
-    return path
-
-
 def run(shape: str, variants: list[str], *, rounds: int, steps: int, warmup: int, allocator: str,
         probe: bool = True, seq: int | None = None, batch: int | None = None, log=print) -> dict[str, Any]:
     preset, T, B = SHAPES[shape]
     T, B = seq or T, batch or B
-    init = ensure_init(preset)
+    init = common.ensure_init(preset)
     inductor = common.TMP / f"inductor-{time.strftime('%Y%m%d-%H%M%S')}"
     env = common.worker_env(allocator, inductor_cache=inductor)
     started = time.time()
@@ -269,10 +253,10 @@ def parse_variants(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--device" or a.startswith("--device=") for a in argv):  # the GPU mode: benchmarks.gpu_bench
-        from benchmarks import gpu_bench
+    if any(a == "--device" or a.startswith("--device=") for a in argv):  # the GPU mode: benchmarks.gpu.bench
+        from benchmarks.gpu import bench
 
-        return gpu_bench.main(argv)
+        return bench.main(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", choices=sorted(SHAPES), help="benchmark shape")
     p.add_argument("--variants", default="all", help=f"all, or a comma list of {ALL_VARIANTS}")

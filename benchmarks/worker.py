@@ -1,6 +1,7 @@
 """One measurement in its own process: ``python -m benchmarks.worker '<json spec>'``, result written as JSON to
 ``spec["out"]``. Launched by the orchestrators (train_step, generate, data_loader, gemm); not meant to be run by
-hand. Only the framework a variant needs is imported, so peak RSS is that variant's own."""
+hand. Only the framework a variant needs is imported, so peak RSS is that variant's own. The GPU harness's train
+steps run in ``python -m benchmarks.gpu.worker``, which builds on this module (this one knows nothing of it)."""
 
 from __future__ import annotations
 
@@ -56,10 +57,6 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     M, B, T = spec.get("micro_steps", 1), spec["batch"], spec["seq"]
     x, y = make_batch(cfg, M, B, T)
     init = load_init(spec.get("init"))
-    if spec.get("device") in ("gpu", "cpu"):  # the GPU harness (benchmarks.gpu_bench); "cpu": its dry mode
-        from benchmarks.worker_gpu import run_train_gpu
-
-        return run_train_gpu(spec, cfg, TRAIN_VARIANTS[spec["variant"]], x, y, init)
     runner = {"jax": _jax_train, "torch_ref": _torch_train, "hf": _torch_train}[framework]
     step, info = runner(spec, cfg, precision, compiled, x, y, init)
 
@@ -303,9 +300,10 @@ def run_init(spec: dict[str, Any]) -> dict[str, Any]:
 TASKS = {"init": run_init, "train": run_train, "gemm": run_gemm, "generate": run_generate, "data": run_data}
 
 
-def main() -> None:
+def main(tasks: dict[str, Any] = TASKS) -> None:
+    """Run the task ``sys.argv[1]``'s JSON spec names (one of ``tasks``) and write its result to ``spec["out"]``."""
     spec = json.loads(sys.argv[1])
-    result = TASKS[spec["task"]](spec)
+    result = tasks[spec["task"]](spec)
     result["pid"] = os.getpid()
     with open(spec["out"], "w") as f:
         json.dump(result, f, default=str)

@@ -5,6 +5,7 @@ or if the harness itself breaks."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -137,7 +138,7 @@ def test_train_step_skips_unusable_precision(monkeypatch, tmp_path):
         return _run(spec["variant"], tps[spec["variant"]])
 
     monkeypatch.setattr(common, "run_worker", fake_worker)
-    monkeypatch.setattr(train_step, "ensure_init", lambda preset: tmp_path / "init.npz")
+    monkeypatch.setattr(common, "ensure_init", lambda preset: tmp_path / "init.npz")
     res = train_step.run("small", train_step.ALL_VARIANTS, rounds=2, steps=3, warmup=1, allocator="tuned",
                          log=lambda s: None)
     assert set(launched) == {"jax_fp32", "jax_bf16", "torch_eager_fp32", "torch_compile_fp32"}
@@ -214,7 +215,7 @@ def test_generate_with_every_variant_skipped(monkeypatch, tmp_path):
         return _gemm(spec["framework"], 140.0, 1.2)
 
     monkeypatch.setattr(common, "run_worker", fake_worker)
-    monkeypatch.setattr(generate, "ensure_init", lambda preset: tmp_path / "init.npz")
+    monkeypatch.setattr(common, "ensure_init", lambda preset: tmp_path / "init.npz")
     res = generate.run(preset="tiny", prompt_counts=[1, 8], variants=["hf_bf16_cache"], new=4, prompt_len=4,
                        rounds=2, repeats=1, allocator="tuned", log=lambda s: None)
     assert set(res["rows"]) == {"hf_bf16_cache@1", "hf_bf16_cache@8"}
@@ -281,3 +282,134 @@ def test_report_ceiling_section_relates_the_step_to_the_kernel():
     assert "failed: boom" in text
     # 200 GFLOP in 2 s = 100 GFLOP/s = 53% of 190; at 190 GFLOP/s: 2,048 tokens / 1.053 s = 1,946 tok/s = 1.95x
     assert "at 100 GFLOP/s = 53% of the microkernel" in text and "1,946 tok/s, 1.95x torch_eager_fp32" in text
+
+
+# ---- the layout of benchmarks/: no import cycles, the GPU tools in benchmarks/gpu/ ------------------------------
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """``module -> modules of ``package`` it imports``, for every ``.py`` under ``root / package``, read with ast.
+    Every import counts, a function's lazy one too (both cycles this test was written for were lazy), and importing
+    ``a.b.c`` counts as importing the packages ``a`` and ``a.b`` as well (Python runs their ``__init__`` first).
+    Names passed to ``importlib`` or ``-m`` in a subprocess are not imports of this process and are not read."""
+    files = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in files.items():
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package `level - 1` levels above this module's
+                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets |= {base} | {f"{base}.{a.name}" for a in node.names}
+        with_parents = {".".join(t.split(".")[:i]) for t in targets for i in range(1, t.count(".") + 2)}
+        # a module's own packages count only when it names them (they are being imported when it runs)
+        graph[name] = {t for t in with_parents
+                       if t in files and t != name and (t in targets or not name.startswith(t + "."))}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import cycle of ``graph`` once, as the path ``[a, b, ..., a]`` (strongly connected components of more
+    than one module, each shown by one cycle through it)."""
+    index, low, stack, on_stack, sccs = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(set(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for comp in sccs:  # a shortest way back to the component's first module, for the message
+        start = min(comp)
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop(0)
+            nxt = sorted(w for w in graph[path[-1]] if w in comp)
+            if start in nxt:
+                cycles.append(path + [start])
+                break
+            for w in nxt:
+                if w not in seen:
+                    seen.add(w)
+                    paths.append(path + [w])
+    return cycles
+
+
+def test_the_import_cycle_finder_finds_lazy_and_package_cycles(tmp_path):
+    """The checker below can fail: a lazy import inside a function closes a cycle, and so does a package whose
+    ``__init__`` imports a module that imports the package back; relative imports resolve."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    (pkg / "c.py").write_text("import pkg.b\n")
+    (pkg / "sub" / "__init__.py").write_text("from . import d\n")
+    (pkg / "sub" / "d.py").write_text("from ..sub import e\n")
+    (pkg / "sub" / "e.py").write_text("from .. import c\n")
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.c"] == {"pkg.b"} and graph["pkg.sub.e"] == {"pkg", "pkg.c"}  # its own package: only named
+    assert graph["pkg.sub.d"] == {"pkg.sub", "pkg.sub.e"}
+    assert sorted(import_cycles(graph)) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.sub", "pkg.sub.d", "pkg.sub"]]
+    (pkg / "b.py").write_text("def f():\n    import os\n")  # the lazy import gone: that cycle gone
+    assert import_cycles(import_graph(tmp_path, "pkg")) == [["pkg.sub", "pkg.sub.d", "pkg.sub"]]
+
+
+def test_benchmarks_have_no_import_cycle():
+    """No module of benchmarks/ imports one that imports it back, directly or through others, lazily or not
+    (gpu_bench <-> train_step and worker <-> worker_gpu were two such circles)."""
+    graph = import_graph(ROOT, "benchmarks")
+    assert {"benchmarks.train_step", "benchmarks.worker", "benchmarks.gpu.bench", "benchmarks.gpu.worker"} <= set(graph)
+    assert "benchmarks.common" in graph["benchmarks.gpu.bench"]  # the graph sees imports (a guard on the guard)
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles under benchmarks/: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_gpu_tools_live_in_benchmarks_gpu_and_the_cpu_side_does_not_need_them():
+    """The GPU-only tools are the modules of benchmarks.gpu; of the CPU side only train_step (``--device gpu``
+    hands over to benchmarks.gpu.bench) and report (BENCHMARKS.md's GPU section) import them, and the shared
+    base (common, impl, worker) imports nothing of theirs."""
+    graph = import_graph(ROOT, "benchmarks")
+    assert {m for m in graph if m.startswith("benchmarks.gpu.")} >= {
+        f"benchmarks.gpu.{m}" for m in ("bench", "worker", "profile", "session", "carry", "e2e_check", "scaling")}
+    assert not list((ROOT / "benchmarks").glob("gpu_*.py")) and not (ROOT / "benchmarks" / "worker_gpu.py").exists()
+    users = {m for m, deps in graph.items() if not m.startswith("benchmarks.gpu")
+             and any(d == "benchmarks.gpu" or d.startswith("benchmarks.gpu.") for d in deps)}
+    assert users <= {"benchmarks.train_step", "benchmarks.report"}, users
+
+
+def test_train_step_device_gpu_is_the_gpu_bench_and_commands_name_their_module(monkeypatch, capsys):
+    from benchmarks import common, train_step
+
+    with pytest.raises(SystemExit) as e:
+        train_step.main(["--device", "gpu", "--help"])
+    assert e.value.code == 0 and "usage: python -m benchmarks.gpu.bench" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "gpu" / "bench.py"), "ab", "--dry"])
+    assert common.command_line() == "python -m benchmarks.gpu.bench ab --dry"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "train_step.py"), "--quick"])
+    assert common.command_line() == "python -m benchmarks.train_step --quick"

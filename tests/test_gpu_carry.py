@@ -1,8 +1,9 @@
-"""benchmarks.gpu_carry: what a GPU machine without a network needs, packed here (the CPU-side parts)."""
+"""benchmarks.gpu.carry: what a GPU machine without a network needs, packed here (the CPU-side parts)."""
 
 from __future__ import annotations
 
-from benchmarks import gpu_carry, gpu_session
+from benchmarks.gpu import carry as gpu_carry
+from benchmarks.gpu import session as gpu_session
 
 
 def test_image_and_carried_wheels_cover_every_dependency() -> None:

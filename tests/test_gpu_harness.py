@@ -1,4 +1,4 @@
-"""The GPU benchmark harness's CPU paths: the dry mode of ``benchmarks.train_step --device gpu`` (real workers,
+"""The GPU benchmark harness's CPU paths: the dry mode of ``benchmarks.gpu.bench`` (real workers,
 tiny shapes), its batch growth, out-of-memory rows, MFU and targets (fake workers reporting an H100), the
 profile summariser on a CPU trace and on a synthetic GPU trace, the end-to-end check and the runbook."""
 
@@ -9,8 +9,12 @@ import json
 
 import pytest
 
-from benchmarks import common, e2e_check, gpu_bench, gpu_profile, gpu_session
-from benchmarks.worker_gpu import is_oom
+from benchmarks import common
+from benchmarks.gpu import bench as gpu_bench
+from benchmarks.gpu import e2e_check
+from benchmarks.gpu import profile as gpu_profile
+from benchmarks.gpu import session as gpu_session
+from benchmarks.gpu.worker import is_oom
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -42,7 +46,8 @@ def fake_worker(fits: dict[str, int], step_s: dict[str, float]):
     """A run_worker stand-in: a variant fits up to micro-batch fits[variant]; steps take step_s x batch / 16."""
     calls = []
 
-    def run_worker(spec, env, timeout=0):
+    def run_worker(spec, env, timeout=0, module="benchmarks.worker"):
+        assert module == gpu_bench.WORKER, module
         calls.append(spec)
         v, b = spec["variant"], spec["batch"]
         if b > fits[v]:
@@ -59,7 +64,7 @@ def test_batches_grow_until_one_does_not_fit_and_targets_are_judged(results, mon
     worker, calls = fake_worker({"jax_bf16": 64, "torch_compile_bf16": 32, "torch_eager_bf16": 16},
                                 {"jax_bf16": 0.05, "torch_compile_bf16": 0.06, "torch_eager_bf16": 0.1})
     monkeypatch.setattr(common, "run_worker", worker)
-    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    monkeypatch.setattr(common, "ensure_init", lambda preset, overrides=None: results / "init.npz")
     res = gpu_bench.run(dry=False, batches=[16, 32, 64, 128], eager_batches=[16], medium_batch=16, steps=20,
                         budget_s=600, log=lambda s: None)
     ran = [(c["config"], c["variant"], c["batch"]) for c in calls]
@@ -95,8 +100,8 @@ def test_out_of_memory_errors_are_recognised():
 
 
 def test_the_budget_and_a_failed_row_are_reported(results, monkeypatch):
-    monkeypatch.setattr(common, "run_worker", lambda spec, env, timeout=0: {"error": "worker exited 1: boom"})
-    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    monkeypatch.setattr(common, "run_worker", lambda spec, env, **kw: {"error": "worker exited 1: boom"})
+    monkeypatch.setattr(common, "ensure_init", lambda preset, overrides=None: results / "init.npz")
     res = gpu_bench.run(dry=False, batches=[16], eager_batches=[], medium_batch=None, steps=5, budget_s=600,
                         log=lambda s: None)
     assert [r["error"] for r in res["rows"]] == ["worker exited 1: boom"] * 2
@@ -204,7 +209,7 @@ def test_the_runbook_parts_fit_the_device_limits(tmp_path):
         cmds = gpu_session.commands(part, dry=False, out=tmp_path, text=tmp_path / "t.txt")
         assert cmds and all(isinstance(c, list) for c in cmds)
     table = gpu_session.commands("table", dry=False, out=tmp_path, text=None)[0]
-    assert table[table.index("--batches") + 1] == "16,32,64,128" and "--device" in table
+    assert table[table.index("--batches") + 1] == "16,32,64,128" and table[2] == "benchmarks.gpu.bench"
     train = next(c for c in gpu_session.commands("profile", dry=False, out=tmp_path, text=tmp_path / "t.txt")
                  if "jaxgpt.train" in c)
     assert "--total_batch_tokens=131072" in train and "--batch_size=32" in train  # 4 micro-steps of 32 x 1024
@@ -223,7 +228,7 @@ def test_the_runbook_profile_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
 
 
 def test_the_scaling_projection_follows_its_stated_model(tmp_path, capsys):
-    from benchmarks import scaling
+    from benchmarks.gpu import scaling
 
     g = scaling.grad_bytes()
     assert g == 4 * 124_475_904  # gpt2 with wte padded to 50,304 rows, fp32
@@ -248,7 +253,7 @@ def test_the_report_shows_gpu_tables_or_says_they_are_missing(results, monkeypat
     worker, _ = fake_worker({"jax_bf16": 32, "torch_compile_bf16": 32, "torch_eager_bf16": 16},
                             {"jax_bf16": 0.05, "torch_compile_bf16": 0.06, "torch_eager_bf16": 0.1})
     monkeypatch.setattr(common, "run_worker", worker)
-    monkeypatch.setattr("benchmarks.train_step.ensure_init", lambda preset, overrides=None: results / "init.npz")
+    monkeypatch.setattr(common, "ensure_init", lambda preset, overrides=None: results / "init.npz")
     res = gpu_bench.run(dry=False, batches=[16], eager_batches=[16], medium_batch=None, steps=20, budget_s=600,
                         log=lambda s: None)
     assert gpu_bench.result_name(res) == "train_step-gpu-other"  # nvidia-smi absent here: no GPU name

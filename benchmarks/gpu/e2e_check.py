@@ -1,7 +1,7 @@
 """Does ``python -m jaxgpt.train`` run as fast as the benchmark says? Compare a run's ``metrics.jsonl`` with a
 harness row at the same micro-batch.
 
-    python -m benchmarks.e2e_check RUN_DIR HARNESS_JSON [--batch 32] [--tolerance 0.05]
+    python -m benchmarks.gpu.e2e_check RUN_DIR HARNESS_JSON [--batch 32] [--tolerance 0.05]
 
 The run's figure is the median over its train records after the first ``--skip`` (the cold compile and the
 first log intervals); the harness's is the ``jax_bf16`` row of ``train_step-gpu-*.json`` (or of ``gpu-ab.json``'s

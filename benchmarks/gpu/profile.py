@@ -1,8 +1,8 @@
 """Where jaxgpt's train step spends its time on a GPU: a ``jax.profiler`` trace, summarised into a table.
 
-    python -m benchmarks.gpu_profile --batch 32        # on a GPU: profile-gpu-<device>-b32.{md,json}, trace kept
-    python -m benchmarks.gpu_profile --dry             # the same code path on the CPU, tiny shapes (tests)
-    python -m benchmarks.gpu_profile --summarise DIR --hlo HLO.txt   # re-read a saved trace
+    python -m benchmarks.gpu.profile --batch 32        # on a GPU: profile-gpu-<device>-b32.{md,json}, trace kept
+    python -m benchmarks.gpu.profile --dry             # the same code path on the CPU, tiny shapes (tests)
+    python -m benchmarks.gpu.profile --summarise DIR --hlo HLO.txt   # re-read a saved trace
 
 Every device event (a GPU kernel; on the CPU, an XLA:CPU thunk) is matched to the HLO instruction that launched it
 (the trace's ``hlo_op`` argument, else its name) and that instruction's source scope in the compiled module's
@@ -198,7 +198,7 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
     from flax import nnx
 
     from benchmarks import impl
-    from benchmarks.gpu_bench import DRY_SHAPES, PAD, SHAPES, flops, peak_of
+    from benchmarks.gpu.bench import DRY_SHAPES, PAD, SHAPES, flops, peak_of
     from benchmarks.worker import make_batch
     from jaxgpt.config import GPTConfig
     from jaxgpt.model import GPT

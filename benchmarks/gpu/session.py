@@ -1,21 +1,21 @@
 """The GPU runbook: every measurement issue 15 asks for, in parts that each end well inside a 10-minute command
 and write at most 8 files under ``$OUT`` (the device tool's limits; any GPU box works the same way).
 
-    python -m benchmarks.gpu_session table     # gpt2 124M: jaxgpt vs torch.compile vs eager, b=16..128  (~8 min)
-    python -m benchmarks.gpu_session ab        # gpt2-medium rows, then jaxgpt's one-knob A/B at b=32    (~8 min)
-    python -m benchmarks.gpu_session profile   # the traced step at b=32 and its summary, e2e training   (~6 min)
-    python -m benchmarks.gpu_session parity    # pytest parity_tests on the GPU (the CUDA-only tests)     (~5 min)
-    python -m benchmarks.gpu_session PART --dry   # the same part on the CPU at tiny shapes (tests, rehearsal)
+    python -m benchmarks.gpu.session table     # gpt2 124M: jaxgpt vs torch.compile vs eager, b=16..128  (~8 min)
+    python -m benchmarks.gpu.session ab        # gpt2-medium rows, then jaxgpt's one-knob A/B at b=32    (~8 min)
+    python -m benchmarks.gpu.session profile   # the traced step at b=32 and its summary, e2e training   (~6 min)
+    python -m benchmarks.gpu.session parity    # pytest parity_tests on the GPU (the CUDA-only tests)     (~5 min)
+    python -m benchmarks.gpu.session PART --dry   # the same part on the CPU at tiny shapes (tests, rehearsal)
 
 Results go to ``$OUT`` when it is set (the device tool), else to ``benchmarks/results``; each part prints its
 tables last. The device image has no network and lacks a few of our packages: before a session, run
-``python -m benchmarks.gpu_carry`` here (it packs their wheels into ``.whl/`` and the end-to-end run's text into
+``python -m benchmarks.gpu.carry`` here (it packs their wheels into ``.whl/`` and the end-to-end run's text into
 ``.gpu_carry/``), then give each device call ``carry: [".whl", ".gpu_carry"]`` and a command that starts with
-:data:`benchmarks.gpu_carry.DEVICE_PREFIX`, e.g.::
+:data:`benchmarks.gpu.carry.DEVICE_PREFIX`, e.g.::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit; \
-        python3 -m benchmarks.gpu_session table
+        python3 -m benchmarks.gpu.session table
 
 The end-to-end run's text is ``--text PATH`` (default ``../shared/data/tinyshakespeare.txt``, else
 ``.gpu_carry/tinyshakespeare.txt``). After a session, copy the JSON/markdown from the device's files back to
@@ -45,12 +45,12 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
     b = 2 if dry else batch
     if part == "table":
         batches = "2,4" if dry else "16,32,64,128"
-        return [[*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", batches, "--eager-batches",
+        return [[*py, "benchmarks.gpu.bench", *d, "--batches", batches, "--eager-batches",
                  batches.split(",")[0], "--medium-batch", "0", "--budget-s", "470"]]
     if part == "ab":
-        return [[*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", "", "--eager-batches", "",
+        return [[*py, "benchmarks.gpu.bench", *d, "--batches", "", "--eager-batches", "",
                  "--medium-batch", str(2 if dry else 16), "--out", "train_step-gpu-medium" + ("-dry" if dry else "")],
-                [*py, "benchmarks.gpu_bench", "ab", *d, "--batch", str(b), "--steps", "10" if dry else "20"]]
+                [*py, "benchmarks.gpu.bench", "ab", *d, "--batch", str(b), "--steps", "10" if dry else "20"]]
     if part == "profile":
         if text is None:
             raise SystemExit("the profile part's end-to-end run needs a text file: --text PATH")
@@ -59,9 +59,9 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
         # e2e: gpt2-124m's recipe with 4 micro-batches of b per step (gradient accumulation), a few hundred steps
         steps, seq = ("12", "64") if dry else ("300", "1024")
         model = ["--model_preset=tiny"] if dry else []
-        return [[*py, "benchmarks.gpu_profile", *d, "--batch", str(b), "--steps", "5"],
+        return [[*py, "benchmarks.gpu.profile", *d, "--batch", str(b), "--steps", "5"],
                 [*py, "jaxgpt.data", "--input", str(text), "--out", str(shards), "--quiet"],
-                [*py, "benchmarks.train_step", "--device", "gpu", *d, "--batches", str(b), "--eager-batches", "",
+                [*py, "benchmarks.gpu.bench", *d, "--batches", str(b), "--eager-batches", "",
                  "--variants", "jax_bf16", "--medium-batch", "0", "--micro-steps", "4", "--out",
                  "train_step-gpu-e2e-harness"],
                 [*py, "jaxgpt.train", "--config", str(common.ROOT / "configs" / "gpt2-124m.yaml"), *model,
@@ -69,8 +69,8 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
                  f"--total_batch_tokens={4 * b * int(seq)}", f"--max_steps={steps}", "--log_interval=10" if not dry
                  else "--log_interval=2", "--eval_interval=0", "--sample_interval=0", "--checkpoint_interval=0",
                  "--hellaswag_interval=0", "--precision=bf16", "--progress=false"],
-                [*py, "benchmarks.e2e_check", str(run), str(out / "train_step-gpu-e2e-harness.json"), "--batch", str(b),
-                 "--out", str(out / "e2e-check.json")] + (["--tolerance", "10"] if dry else []),
+                [*py, "benchmarks.gpu.e2e_check", str(run), str(out / "train_step-gpu-e2e-harness.json"),
+                 "--batch", str(b), "--out", str(out / "e2e-check.json")] + (["--tolerance", "10"] if dry else []),
                 ["cp", str(run / "metrics.jsonl"), str(out / "e2e-metrics.jsonl")]]
     if part == "parity":
         return [[*py, "pytest", "-q", "-p", "no:cacheprovider", str(common.ROOT / "parity_tests"),

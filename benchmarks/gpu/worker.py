@@ -1,6 +1,8 @@
 """One train-step measurement on a GPU (or, ``spec["device"] == "cpu"``, the same code path on the CPU: the dry
-mode the default test suite runs). Called by :mod:`benchmarks.worker` for ``spec["device"]``; results as its
-``run_train``'s, plus peak device memory and the device's name.
+mode the default test suite runs): ``python -m benchmarks.gpu.worker '<json spec>'``, launched by
+:mod:`benchmarks.gpu.bench` through ``common.run_worker(..., module=bench.WORKER)``. Results as
+:func:`benchmarks.worker.run_train`'s, plus peak device memory and the device's name. It builds on the CPU worker
+(its variants, batch, initial weights and result file), which does not know it.
 
 Timing is device-synchronised and pipelined the way a training loop runs: after the cold first step (trace +
 compile + one step) and ``warmup`` steps, ``windows`` windows of ``window`` steps each are timed from a
@@ -21,6 +23,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import worker
+from benchmarks.worker import peak_rss_mib
+
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory", "Failed to allocate")
 
 
@@ -29,9 +34,14 @@ def is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(m in str(exc) for m in OOM_MARKERS)
 
 
-def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, y, init) -> dict[str, Any]:
-    from benchmarks.worker import peak_rss_mib
+def run_train(spec: dict[str, Any]) -> dict[str, Any]:
+    """The ``train`` task: the spec's variant on the same fixed batch and initial weights as the CPU worker's."""
+    cfg = worker.gpt_config(spec)
+    x, y = worker.make_batch(cfg, spec.get("micro_steps", 1), spec["batch"], spec["seq"])
+    return run_train_gpu(spec, cfg, worker.TRAIN_VARIANTS[spec["variant"]], x, y, worker.load_init(spec.get("init")))
 
+
+def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, y, init) -> dict[str, Any]:
     framework, precision, compiled = variant
     runner = _jax if framework == "jax" else _torch
     load_start = list(os.getloadavg())
@@ -149,7 +159,13 @@ def _torch(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | d
     name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
     sdpa = {"flash": torch.backends.cuda.flash_sdp_enabled(), "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
             "cudnn": torch.backends.cuda.cudnn_sdp_enabled()} if dev == "cuda" else {}
-    info = {"train_step": "benchmarks.worker_gpu (torch_ref loop)", "optimizer": opt_src, "hyper_source": hyper_src,
+    info = {"train_step": "benchmarks.gpu.worker (torch_ref loop)", "optimizer": opt_src, "hyper_source": hyper_src,
             "optimizer_class": f"{type(opt).__name__}(fused={opt.defaults.get('fused')})",
             "torch_compile": bool(compiled), "device_kind": name, "platform": dev, "sdpa_backends_enabled": sdpa}
     return {"step": step, "sync": sync, "value": lambda t: float(t), "peak_mib": peak_mib, "info": info}
+
+
+TASKS = {"train": run_train}
+
+if __name__ == "__main__":
+    worker.main(TASKS)
