@@ -803,6 +803,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", action="store_true", help="also print the floating-point data types table")
     p.add_argument("--devices", action="store_true", help="also print the device peak table")
     p.add_argument("--conventions", action="store_true", help="also print others' FLOP conventions")
+    p.add_argument("--compiled", action="store_true",
+                   help="also compile this step for --device (a GPU, without one: JAX's CUDA plugin, "
+                        "`make gpu-compile`) and print XLA's memory figures beside the estimate")
     return p
 
 
@@ -815,6 +818,30 @@ def _cli_mesh(args: argparse.Namespace) -> dict[str, int] | None:
         raise AccountError("give --mesh or --fsdp, not both (--mesh data=1,fsdp=8 is --fsdp 8)")
     cfg = MeshConfig.parse(args.mesh)
     return {"data": max(cfg.data, 1), "fsdp": max(cfg.fsdp, 1)}
+
+
+def _compiled_table(acc: "Account", config: GPTConfig, args: argparse.Namespace, mesh) -> str:
+    """The estimate's memory beside XLA's memory_analysis() of the same step compiled for the device."""
+    import os
+
+    from jaxgpt.gpu_env import cuda_driver_present
+
+    if "jax" not in sys.modules and not cuda_driver_present():
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # keeps the CUDA plugin loaded for a compile-only build
+    from jaxgpt.compile.cli import compiled_memory
+
+    xla = compiled_memory(config, batch_size=acc.batch_size, seq_len=acc.seq_len, precision=args.precision,
+                          optimizer=args.optimizer, grad_accum=args.grad_accum, device=args.device, mesh=mesh)
+    est = acc.memory
+    gib = 2**30
+    rows = [("arguments (params, optimizer state, batch)", est.params + est.optimizer_state, xla["argument"]),
+            ("temporary (everything else)", est.xla_temp, xla["temp"]),
+            ("total", est.total, xla["total"])]
+    lines = [f"Memory per device: this estimate beside XLA's memory_analysis() of the step compiled for "
+             f"{args.device} (python -m jaxgpt.compile; nothing ran)",
+             f"{'':<46}{'estimate':>12}{'compiled':>12}{'ratio':>8}"]
+    lines += [f"{name:<46}{a / gib:>9.2f} GiB{b / gib:>8.2f} GiB{a / b:>8.2f}" for name, a, b in rows]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -851,6 +878,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(acc.table())
+    if args.compiled:
+        from jaxgpt.compile.targets import CompileError
+
+        try:
+            print("\n" + _compiled_table(acc, config, args, mesh))
+        except (CompileError, ConfigError) as e:
+            print(f"{parser.prog}: error: --compiled: {e}", file=sys.stderr)
+            return 2
     if args.conventions:
         from jaxgpt.flops import conventions_table
 
@@ -863,4 +898,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxgpt.interrupt import run_cli
+
+    run_cli(main, "jaxgpt.account", left="nothing was written")

@@ -154,7 +154,7 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
-        with jax.named_scope("layer_norm"):  # named scopes label the profile's fusions (benchmarks.gpu_profile)
+        with jax.named_scope("layer_norm"):  # named scopes label the profile's fusions (benchmarks.gpu.profile)
             # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
             # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
             x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)

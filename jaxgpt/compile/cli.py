@@ -184,3 +184,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("python -m jaxgpt.compile: interrupted", file=sys.stderr)
         return 130
+
+
+def compiled_memory(model_cfg, *, batch_size: int, seq_len: int, precision: str, optimizer: str, grad_accum: int,
+                    device: str, mesh: dict[str, int] | None) -> dict[str, int]:
+    """XLA's memory_analysis() per device of the train step ``jaxgpt.account`` describes, compiled for ``device``
+    (a GPU target): what ``python -m jaxgpt.account --compiled`` prints beside its analytic figure."""
+    from jaxgpt.compile.program import compile_train_step
+    from jaxgpt.compile.targets import get_target, topology_devices
+    from jaxgpt.config import to_dict
+    from jaxgpt.train.config import TrainConfig
+
+    target = get_target(device)
+    sizes = {"data": 1, "fsdp": 1, **(mesh or {})}
+    n = sizes["data"] * sizes["fsdp"]
+    cfg = TrainConfig.from_dict(dict(
+        model=to_dict(model_cfg), precision=precision, optim=dict(name=optimizer), batch_size=batch_size * n,
+        seq_len=seq_len, total_batch_tokens=batch_size * n * seq_len * grad_accum, tensorboard=False,
+        mesh=dict(data=sizes["data"], fsdp=sizes["fsdp"])))
+    return compile_train_step(cfg, topology_devices(target, n), micro_batch=batch_size).memory()
