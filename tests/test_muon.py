@@ -238,3 +238,14 @@ def test_cli_muon_run_sigkill_resume_bit_identical(tmp_path, tmp_path_factory):
     again = run(train_cmd(out, "--resume=must", "--max_steps=14"), env)
     assert again.returncode == 2 and "optim.name: 'muon' -> 'adamw'" in again.stderr
     assert "use --optim.name=muon" in again.stderr and "Traceback" not in again.stderr
+    # the Muon-trained run is evaluated as any other (HellaSwag scoring reads the params only)
+    from jaxgpt.eval import cli
+    from tests.test_eval import write_items
+
+    items = write_items(tmp_path / "items.jsonl", 4)
+    assert cli.main(["--task", "hellaswag", "--init-from", str(out), "--data", str(items), "--json",
+                     str(tmp_path / "hs.json")]) == 0
+    import json
+
+    scores = json.loads((tmp_path / "hs.json").read_text())
+    assert scores["n"] == 4 and 0 <= scores["acc_norm"] <= 1, scores
