@@ -28,6 +28,9 @@ _PATTERNS = (
     (re.compile(r"File too large|EFBIG", re.I), errno.EFBIG),
 )
 
+_TORCH_WRITER = re.compile(r"PytorchStreamWriter failed writing|inline_container\.cc.*unexpected pos|file write failed",
+                           re.I | re.S)
+
 
 class WriteFailed(Exception):
     """A write failed (a full disk, a quota, a read-only or failing file system); the message names the path, what
@@ -48,6 +51,8 @@ def write_failure(exc: BaseException) -> tuple[int, str] | None:
         for pattern, code in _PATTERNS:
             if pattern.search(text):
                 return code, os.strerror(code)
+        if _TORCH_WRITER.search(text):  # torch's zip writer hides the errno: "unexpected pos 576 vs 534"
+            return errno.EIO, f"torch's writer could not write the file ({text.strip()[:120]}; usually a full disk)"
         e = e.__cause__ or e.__context__
     return None
 

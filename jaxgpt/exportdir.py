@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from jaxgpt import diskspace
+
 MARKER = "jaxgpt_export.json"
 CHECKPOINTS = "checkpoints"  # a run directory's checkpoints (jaxgpt.checkpoint.CHECKPOINT_SUBDIR; not imported: orbax)
 # what save_hf wrote before the marker listed the files (exports made before this list existed)
@@ -255,7 +257,7 @@ def remove_stale_staging(target: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def staged_dir(target: Path, mark: dict[str, Any]) -> Iterator[Path]:
+def staged_dir(target: Path, mark: dict[str, Any], *, need: int | None = None) -> Iterator[Path]:
     """Yield a temporary directory beside ``target`` to fill; on success it gets the marker (listing the files
     written) and replaces ``target`` (see the module docstring); on any error it is removed and ``target`` is
     untouched (an ``OSError`` becomes an :class:`ExportError`)."""
@@ -263,6 +265,7 @@ def staged_dir(target: Path, mark: dict[str, Any]) -> Iterator[Path]:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target)
+        _check_space(target, need)
         tmp = Path(tempfile.mkdtemp(prefix=_stage_prefix(target, "tmp") + "-", dir=target.parent))
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
@@ -275,19 +278,21 @@ def staged_dir(target: Path, mark: dict[str, Any]) -> Iterator[Path]:
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise ExportWriteError(f"cannot write {target}: {_os_reason(e)}; nothing was changed there") from e
-        raise
+        err = _write_error(e, target, need)
+        if err is e:
+            raise
+        raise err from e
 
 
 @contextlib.contextmanager
-def staged_file(target: Path, mark: dict[str, Any]) -> Iterator[Path]:
+def staged_file(target: Path, mark: dict[str, Any], *, need: int | None = None) -> Iterator[Path]:
     """Yield a temporary file path beside ``target`` to write a ``torch.save`` archive to; on success the marker
     is added to the archive and the file replaces ``target`` (an ``OSError`` becomes an :class:`ExportError`)."""
     tmp = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_staging(target)
+        _check_space(target, need)
         fd, name = tempfile.mkstemp(prefix=_stage_prefix(target, "tmp") + "-", dir=target.parent)
         os.close(fd)
         tmp = Path(name)
@@ -300,9 +305,32 @@ def staged_file(target: Path, mark: dict[str, Any]) -> Iterator[Path]:
     except BaseException as e:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise ExportWriteError(f"cannot write {target}: {_os_reason(e)}; nothing was changed there") from e
-        raise
+        err = _write_error(e, target, need)
+        if err is e:
+            raise
+        raise err from e
+
+
+def _check_space(target: Path, need: int | None) -> None:
+    """Refuse before writing when the file system of ``target`` has less free space than the export needs."""
+    free = diskspace.free_bytes(target.parent)
+    if need and free is not None and free < need:
+        raise ExportWriteError(f"cannot write {target}: it needs about {diskspace.human(need)} but only "
+                               f"{diskspace.human(free)} is free on that file system; nothing was written. Free "
+                               "space or choose a target on another disk")
+
+
+def _write_error(e: BaseException, target: Path, need: int | None) -> BaseException:
+    """A failed write as :class:`ExportWriteError` naming the path, the need and the free space: an ``OSError``, or
+    a full disk reported as another type (safetensors' ``SafetensorError``, torch's ``RuntimeError``)."""
+    if isinstance(e, ExportError):
+        return e
+    why = diskspace.write_failure(e) if isinstance(e, Exception) else None
+    if not isinstance(e, OSError) and why is None:
+        return e
+    reason = _os_reason(e) if isinstance(e, OSError) else f"{why[1]} ({type(e).__name__})"
+    return ExportWriteError(f"cannot write {target}: {reason}; " + diskspace.describe_space(target.parent, need)
+                            + "; nothing was changed there (the partial export was removed)")
 
 
 def _os_reason(e: OSError) -> str:

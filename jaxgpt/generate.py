@@ -565,4 +565,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jaxgpt.interrupt import run_cli
+
+    run_cli(main, "jaxgpt.generate", left="the samples printed so far are complete")

@@ -104,9 +104,19 @@ class DirLock:
                 os.close(fd)
                 continue
             break
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(_me(), indent=1) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(_me(), indent=1) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError as e:  # a full disk (or quota): leave no empty lock file behind
+            try:
+                if _same_file(fd, self.path):
+                    self.path.unlink()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            raise DirError(f"{self.option} {str(self.directory)!r}: cannot write the lock file {self.path} "
+                           f"({e.strerror or e}); free space on that disk (or choose another {self.option})") from e
         self._fd = fd
         return self
 

@@ -277,7 +277,8 @@ def save_hf(model: GPT, out_dir: str | os.PathLike, *, params: nnx.State | None 
     config = model.config
     ref = params_to_ref(params if params is not None else model)
     tensors = {k: np.ascontiguousarray(v) for k, v in ref_to_hf(ref, config).items()}
-    with exportdir.staged_dir(out, exportdir.marker("hf", **(source or {}))) as tmp:
+    need = sum(v.nbytes for v in tensors.values()) + (2 << 20)  # + the tokenizer files
+    with exportdir.staged_dir(out, exportdir.marker("hf", **(source or {})), need=need) as tmp:
         hf_config = config.hf_config()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

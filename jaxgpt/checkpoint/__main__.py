@@ -1,7 +1,7 @@
 """``python -m jaxgpt.checkpoint``."""
 
-import sys
-
 from jaxgpt.checkpoint.cli import main
+from jaxgpt.interrupt import run_cli
 
-sys.exit(main())
+run_cli(main, "jaxgpt.checkpoint", left="nothing was changed (an export is staged beside its target and "
+        "removed; the checkpoints are only read)")

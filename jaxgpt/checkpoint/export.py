@@ -91,7 +91,9 @@ def export(run_dir: str | os.PathLike, *, to_hf: str | os.PathLike | None = None
     if pt is not None:
         import torch
 
-        with exportdir.staged_file(pt, exportdir.marker("torch_ref state_dict", **source)) as tmp:
-            torch.save(weights.to_torch_state_dict(model), tmp)
+        state_dict = weights.to_torch_state_dict(model)
+        need = sum(t.numel() * t.element_size() for t in state_dict.values())
+        with exportdir.staged_file(pt, exportdir.marker("torch_ref state_dict", **source), need=need) as tmp:
+            torch.save(state_dict, tmp)
         out["torch"] = pt
     return out

@@ -337,6 +337,7 @@ class Checkpoints:
         """Start saving ``step`` (waits for the previous save first; returns once arrays are on the host). The
         meta item records a digest of every array; ``metrics`` (e.g. ``val_loss``) feed ``keep_best``."""
         self.wait()  # the previous save: its failure is reported as its own, before this one starts
+        quiet_abandoned_reads()  # a failed write (full disk) leaves TensorStore writes ending on a closed loop
         self._in_flight = (int(step), diskspace.tree_nbytes((params, opt_state)))
         digests = {"format": DIGEST_FORMAT, "params": tree_digests(params), "opt_state": tree_digests(opt_state)}
         meta = {"step": int(step), "rng_key": None if rng_key is None else key_to_json(rng_key),

@@ -1,7 +1,7 @@
 """``python -m jaxgpt.data``."""
 
-import sys
-
 from jaxgpt.data.cli import main
+from jaxgpt.interrupt import run_cli
 
-sys.exit(main())
+run_cli(main, "jaxgpt.data", left="no shards were committed: the staging directory is removed and the shards "
+        "already there (if any) are untouched")

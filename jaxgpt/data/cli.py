@@ -53,4 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DataError as e:
         print(f"jaxgpt.data: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a write outside the shard directory (the download cache, ...)
+        from jaxgpt import diskspace
+
+        why = diskspace.write_failure(e)
+        if why is None:
+            raise
+        print(f"jaxgpt.data: error: writing {e.filename or args.out} failed: {why[1]}; "
+              f"{diskspace.human(diskspace.free_bytes(e.filename or args.out))} free there. Free space, then run "
+              "the same command again (nothing half-written is taken for prepared)", file=sys.stderr)
+        return 2
     return 0

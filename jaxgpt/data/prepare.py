@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import UInt16
 from tqdm import tqdm
 
-from jaxgpt import tokenizer
+from jaxgpt import diskspace, tokenizer
 from jaxgpt.data.common import DataError, _log, _read_json, atomic_write_json
 from jaxgpt.data.corpus import Corpus
 from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SPLITS, ShardWriter,
@@ -277,6 +277,8 @@ def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc:
     """Write the shards into a staging directory inside ``out``, then :func:`_commit` them."""
     staging = out / f"{STAGING_PREFIX}{os.getpid()}.{uuid.uuid4().hex[:8]}"
     staging.mkdir()
+    writers: dict[str, ShardWriter] = {}
+    committing = False
     try:
         meta = {"source": corpus.source, "route": corpus.route, "source_sha256": corpus.sha256}
         writers = {s: ShardWriter(staging, corpus.name, s, settings["shard_size"], meta) for s in SPLITS}
@@ -293,10 +295,30 @@ def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc:
                                        "num_tokens": h["num_tokens"]} for h in hs]}
                        for s, hs in headers.items()},
         }
+        committing = True
         _commit(staging, out, corpus.name, manifest)
+    except OSError as e:
+        why = diskspace.write_failure(e)
+        if why is None:
+            raise
+        tokens = sum(w.num_tokens for w in writers.values())
+        kept = ("the commit was cut short: the directory has no manifest now, so nothing reads it as prepared "
+                "until it is prepared again" if committing else
+                f"nothing was moved into {out} (the staging directory is removed; shards already there are "
+                "untouched)")
+        raise DataWriteFailed(f"{out}: writing the shards failed at {e.filename or out}: {why[1]}; "
+                              f"{tokens:,} tokens ({diskspace.human(2 * tokens)} at 2 bytes per token) were "
+                              f"tokenized by then and the shards need at least that much; "
+                              f"{diskspace.human(diskspace.free_bytes(out))} free on that file system now; "
+                              f"{kept}. Free space or choose another --out, then run the same command again") from e
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+class DataWriteFailed(DataError, diskspace.WriteFailed):
+    """Preparing shards ran out of space (or hit another write error); nothing half-written is taken for
+    prepared."""
 
 
 def _commit(staging: Path, out: Path, name: str, manifest: dict[str, Any]) -> None:

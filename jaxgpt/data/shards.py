@@ -206,8 +206,11 @@ def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[s
             raise DataError(f"{data}: the shards' tokenizer has {rec['vocab_size']:,} ids but the model's vocab_size is "
                             f"{vocab_size:,}: ids >= {vocab_size:,} would index past its embedding; "
                             + vocab_fix(data, vocab_size, int(rec["vocab_size"]) - 1))
+    reference, whose = ((rec, f"the manifest ({data / MANIFEST_NAME})") if isinstance(rec, dict)
+                        else (ours, "jaxgpt's tokenizer (the model's)"))
     for split in splits:
         for shard in find_shards(data, split):
+            _check_shard_tokenizer(shard, reference, whose, data)
             top = shard.header.get("max_token")
             if isinstance(top, int) and not isinstance(top, bool):
                 if top >= vocab_size:
@@ -219,3 +222,24 @@ def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[s
                     raise DataError(f"{shard.path}: token id {bad[1]:,} at token offset {bad[0]:,} is outside the "
                                     f"model's vocabulary [0, {vocab_size:,}) (the {split} split; its header records "
                                     f"no max_token, so the shard was read); " + vocab_fix(data, vocab_size, bad[1]))
+
+
+def shard_tokenizer_record(header: dict[str, Any]) -> dict[str, Any]:
+    """What a shard's header records of its tokenizer (the keys a manifest's record shares with it)."""
+    return {"name": header.get("tokenizer"), "vocab_size": header.get("vocab_size"),
+            "eot_token": header.get("eot_token")}
+
+
+def _check_shard_tokenizer(shard: Shard, reference: dict[str, Any], whose: str, data: Path) -> None:
+    """Refuse a shard whose header names another tokenizer than ``reference`` (a shard copied in from a corpus
+    tokenized otherwise). A header without a tokenizer record (another tool's) is left to the id checks."""
+    if shard.header.get("tokenizer") is None:
+        return
+    mine = shard_tokenizer_record(shard.header)
+    differ = [k for k in ("name", "vocab_size", "eot_token") if reference.get(k) is not None and mine[k] != reference[k]]
+    if differ:
+        show = lambda r: ", ".join(f"{k} {r.get(k)!r}" for k in ("name", "vocab_size", "eot_token"))  # noqa: E731
+        raise DataError(f"{shard.path}: its header records tokenizer ({show(mine)}) but {whose} records "
+                        f"({show(reference)}): the shard was made with another tokenizer (copied in from another "
+                        f"corpus?), so its ids mean other text. Remove it, or re-tokenize the corpus: `python -m "
+                        f"jaxgpt.data ... --out {data} --force`")

@@ -1,7 +1,6 @@
 """``python -m jaxgpt.eval``."""
 
-import sys
-
 from jaxgpt.eval.cli import main
+from jaxgpt.interrupt import run_cli
 
-sys.exit(main())
+run_cli(main, "jaxgpt.eval", left="no results were written")

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
         results = scorer.score(prepared["items"], progress=not args.no_progress)
         summary = hellaswag.summarize(results, seconds=time.perf_counter() - t0)
         if "--out" in prepared["outputs"]:
-            prepared["outputs"]["--out"].write_text("".join(json.dumps(r) + "\n" for r in results))
+            _write_whole(prepared["outputs"]["--out"], "".join(json.dumps(r) + "\n" for r in results))
         summary.update(task="hellaswag", data=str(prepared["data"]))
     else:
         from jaxgpt.eval import val_loss
@@ -116,6 +116,13 @@ def headline(s: dict) -> str:
             f"per byte over {s['tokens']:,} tokens ({s['init_from']})")
 
 
+def _write_whole(path, text: str) -> None:
+    """Write ``text`` beside ``path`` and rename it into place: an interrupted or failed write leaves no half file."""
+    from jaxgpt.data.common import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -124,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(headline(summary))
         print(json.dumps(summary))
         if "--json" in prepared["outputs"]:
-            prepared["outputs"]["--json"].write_text(json.dumps(summary, indent=2) + "\n")
+            _write_whole(prepared["outputs"]["--json"], json.dumps(summary, indent=2) + "\n")
     except (EvalError, ValueError, OSError, ImportError) as e:  # GenerateError, DataError, unwritable files, ...
         print(f"error: {e}", file=sys.stderr)
         return 2

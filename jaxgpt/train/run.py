@@ -144,6 +144,11 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             if self.is_main:  # one lock per run; the other processes of a multi-process run only write checkpoints
                 self.lock = rundir.DirLock(self.run_dir, what="run directory", option="out_dir").acquire()
         except rundir.DirError as e:
+            if self.created_run_dir:  # (e.g. the lock file could not be written on a full disk): leave no trace
+                try:
+                    self.run_dir.rmdir()
+                except OSError:
+                    pass
             raise ConfigError(str(e)) from None
 
     def _unlock(self, *, abandon: bool = False) -> None:

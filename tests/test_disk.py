@@ -1,0 +1,321 @@
+"""Full disks and write errors (jaxgpt.diskspace and its callers): a clear exit-2 error naming the path, the
+need and the free space, with nothing lost and nothing half-written taken for complete.
+
+Real full file systems where the machine allows it: a small tmpfs mounted for the test (needs root; skipped
+with a message otherwise). The same logic is also tested everywhere by fault injection (a write that raises
+what the library raises on a full disk)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxgpt import diskspace, exportdir, rundir
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["--config", str(REPO / "configs/tiny-test.yaml")]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A tmpfs of the size asked for, unmounted after the test; skipped where mounting is not permitted."""
+    mounted = []
+
+    def make(size_mb: float) -> Path:
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size_mb * 1024)}k", "tmpfs", str(d)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({(r.stderr or r.stdout).strip() or r.returncode}): a real full "
+                        "disk needs root; the fault-injection tests cover the same logic")
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def fill(d: Path) -> None:
+    """Fill the file system of ``d`` to the last byte."""
+    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+# ---- recognising a failed write, whatever the library ---------------------------------------------------
+def test_write_failure_recognises_each_library_s_full_disk():
+    class SafetensorError(Exception):
+        pass
+
+    assert diskspace.write_failure(OSError(errno.ENOSPC, "No space left on device"))[0] == errno.ENOSPC
+    assert diskspace.write_failure(OSError(errno.EDQUOT, "Disk quota exceeded"))[0] == errno.EDQUOT
+    orbax = ValueError('RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database: Failed to write 3065557 bytes '
+                       "to file 5: No space left on device [os_error_code='28']")
+    assert diskspace.write_failure(orbax) == (errno.ENOSPC, os.strerror(errno.ENOSPC))
+    st = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert diskspace.write_failure(st)[0] == errno.ENOSPC
+    torch_err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert "usually a full disk" in diskspace.write_failure(torch_err)[1]
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert diskspace.write_failure(wrapped)[0] == errno.ENOSPC
+    assert diskspace.write_failure(ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 1 GB")) is None
+    assert diskspace.write_failure(KeyError("x")) is None
+    assert diskspace.human(1234567) == "1.23 MB" and diskspace.human(None) == "?"
+
+
+# ---- the run directory's lock -----------------------------------------------------------------------------
+def test_a_lock_that_cannot_be_written_leaves_no_lock_file(tmp_path, monkeypatch):
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "pwrite", full)
+    with pytest.raises(rundir.DirError, match=r"cannot write the lock file .* \(No space left on device\)"):
+        rundir.DirLock(tmp_path, what="run directory").acquire()
+    assert not (tmp_path / rundir.LOCK_NAME).exists()
+
+
+def test_a_full_disk_at_start_is_an_error_and_leaves_no_lock(small_fs, capsys):
+    d = small_fs(0.5)
+    fill(d)
+    with pytest.raises(rundir.DirError, match="cannot (write|create) the lock file"):
+        rundir.DirLock(d, what="run directory").acquire()
+    assert not (d / rundir.LOCK_NAME).exists()
+    from jaxgpt.train import main
+
+    out = d / "run"
+    code = main(TINY + [f"--out_dir={out}", f"--data_dir={REPO / 'data_cache' / 'shakespeare'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "No space left on device" in err or "cannot create" in err
+    assert not out.exists()  # the run directory it created is removed again
+
+
+# ---- exports ----------------------------------------------------------------------------------------------
+def test_export_write_errors_of_every_type_are_export_write_errors(tmp_path, monkeypatch):
+    class SafetensorError(Exception):
+        pass
+
+    target = tmp_path / "hf"
+    for exc in (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+                RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+                OSError(errno.ENOSPC, "No space left on device")):
+        with pytest.raises(exportdir.ExportWriteError, match=f"cannot write {target}: .*nothing was changed"):
+            with exportdir.staged_dir(target, {"kind": "hf"}, need=1000) as tmp:
+                (tmp / "part").write_bytes(b"x" * 100)
+                raise exc
+        assert not target.exists() and list(tmp_path.iterdir()) == []  # the staging directory is gone too
+    with pytest.raises(KeyError):  # not a write failure: passed on as it is
+        with exportdir.staged_dir(target, {"kind": "hf"}):
+            raise KeyError("x")
+    monkeypatch.setattr(diskspace, "free_bytes", lambda p: 10)
+    with pytest.raises(exportdir.ExportWriteError, match="needs about 1.00 kB but only 10 bytes is free"):
+        with exportdir.staged_file(tmp_path / "sd.pt", {"kind": "t"}, need=1000):
+            pytest.fail("the pre-check should refuse before anything is written")
+
+
+def test_exports_into_a_full_tmpfs_exit_cleanly(small_fs, monkeypatch):
+    import torch
+    from safetensors.numpy import save_file
+
+    d = small_fs(1)
+    monkeypatch.setattr(exportdir, "_check_space", lambda target, need: None)  # reach the real write failure
+    with pytest.raises(exportdir.ExportWriteError, match="No space left on device .*SafetensorError"):
+        with exportdir.staged_dir(d / "hf", {"kind": "hf"}, need=4 << 20) as tmp:
+            save_file({"a": np.ones(1 << 20, np.float32)}, str(tmp / "model.safetensors"))
+    with pytest.raises(exportdir.ExportWriteError, match="torch's writer could not write"):
+        with exportdir.staged_file(d / "sd.pt", {"kind": "t"}, need=4 << 20) as tmp:
+            torch.save({"a": torch.ones(1 << 20)}, tmp)
+    assert sorted(p.name for p in d.iterdir()) == []  # nothing left behind
+
+
+# ---- data preparation -------------------------------------------------------------------------------------
+def corpus(tmp_path: Path, mb: float) -> Path:
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "and", "queen", "of", "a", "castle", "river", "stone", "light", "night", "day"]
+    f = tmp_path / "corpus.txt"
+    f.write_text(" ".join(rng.choice(words, size=int(mb * 1e6 / 5))))
+    return f
+
+
+def test_data_preparation_that_fills_the_disk_exits_2_and_leaves_nothing(small_fs, tmp_path, capsys):
+    from jaxgpt.data.cli import main
+
+    d = small_fs(0.5)
+    out = d / "shards"
+    code = main(["--input", str(corpus(tmp_path, 2)), "--out", str(out), "--quiet", "--shard-size", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "writing the shards failed" in err and "No space left on device" in err and "tokens" in err
+    assert "free on that file system" in err
+    assert not out.exists()  # created by this run: removed, lock and staging directory included
+
+
+def test_data_preparation_write_error_by_fault_injection(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    prepare_mod = importlib.import_module("jaxgpt.data.prepare")
+    from jaxgpt.data.cli import main
+
+    calls = {"n": 0}
+    real = prepare_mod.ShardWriter._flush
+
+    def flaky(self, n):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.out_dir / "x.bin"))
+        return real(self, n)
+
+    monkeypatch.setattr(prepare_mod.ShardWriter, "_flush", flaky)
+    out = tmp_path / "shards"
+    code = main(["--input", str(corpus(tmp_path, 0.3)), "--out", str(out), "--quiet", "--shard-size", "20000"])
+    err = capsys.readouterr().err
+    assert code == 2 and "No space left on device" in err and "nothing was moved into" in err
+    assert not out.exists()
+
+
+# ---- training ---------------------------------------------------------------------------------------------
+def _train(out: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "jaxgpt.train", *TINY, f"--out_dir={out}", "--max_steps=30", "--eval_interval=0",
+           "--checkpoint_interval=3", "--sample_interval=-1", f"--data_dir={REPO / 'data_cache' / 'shakespeare'}",
+           *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_checkpoint_save_that_fills_the_disk_stops_the_run_at_the_next_step(small_fs, tmp_path):
+    """tiny's checkpoints take ~20 MB: on a 32 MB disk the step-3 one fits and the step-6 one cannot. The
+    pre-flight check refuses the run first; with --allow-low-disk it trains, and the failed save stops it with
+    exit 2 within a step or two; step 3 stays restorable, the failed save shows as incomplete, the log is whole."""
+    d = small_fs(32)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXGPT_DEBUG_STEP_SLEEP": "0.2",
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+    out = d / "run"
+    refused = _train(out, env)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "only" in refused.stderr and "is free on that file system" in refused.stderr
+    assert "--allow_low_disk=true" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (out / rundir.LOCK_NAME).exists() or (out / rundir.LOCK_NAME).read_text() == ""
+
+    ran = _train(out, env, "--allow-low-disk")
+    err = ran.stderr
+    assert ran.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and len(err.splitlines()) < 40, err[-3000:]
+    assert "saving checkpoint step 6 into" in err and "No space left on device" in err
+    assert "The newest intact checkpoint is step 3" in err and "free on the file system" in err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # every line whole
+    last = max(r["step"] for r in records if r["type"] == "train")
+    assert 6 <= last < 9  # noticed within the steps that follow, not at the end (30)
+    listing = subprocess.run([sys.executable, "-m", "jaxgpt.checkpoint", "list", str(out)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    rows = {ln.split()[0]: ln for ln in listing.stdout.splitlines() if ln.strip()[:1].isdigit()}
+    assert "ok" in rows["3"] and "incomplete" in rows["6"], listing.stdout
+
+
+# ---- an interrupted save in the listing -------------------------------------------------------------------
+def test_checkpoint_list_shows_a_real_interrupted_save_as_incomplete(tmp_path):
+    """A process saves step 1, then starts saving step 2 (64 MB) and is SIGKILLed while orbax writes it."""
+    run = tmp_path / "run"
+    script = f"""
+import os, signal, jax, jax.numpy as jnp
+from jaxgpt.checkpoint import Checkpoints
+ck = Checkpoints({str(run)!r}, keep=3)
+small = {{"w": jnp.ones((4,))}}
+ck.save(1, params=small, opt_state=small, config={{"model": {{}}}})
+ck.wait()
+big = {{"w": jax.random.normal(jax.random.key(0), (4096, 4096))}}
+ck.save(2, params=big, opt_state=big, config={{"model": {{}}}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr[-2000:]
+    names = os.listdir(run / "checkpoints")
+    assert "1" in names and "2" not in names and any(n.startswith("2.orbax-checkpoint-tmp") for n in names), names
+    listing = subprocess.run([sys.executable, "-m", "jaxgpt.checkpoint", "list", str(run)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    rows = {ln.split()[0]: ln for ln in listing.stdout.splitlines() if ln.strip()[:1].isdigit()}
+    assert "incomplete" in rows["2"] and "ok" in rows["1"], listing.stdout
+
+
+# ---- the shards' tokenizer records ------------------------------------------------------------------------
+def test_a_shard_whose_header_names_another_tokenizer_is_refused(tmp_path):
+    from jaxgpt.data import DataError, check_shards_for_model, prepare
+    from jaxgpt.data.shards import _read_json
+
+    out = prepare([str(corpus(tmp_path, 0.05))], tmp_path / "shards", shard_size=5000, verbose=False)
+    check_shards_for_model(out, 50304)
+    header_path = sorted(out.glob("*_train_*.json"))[1]
+    header = _read_json(header_path)
+    header.update(tokenizer="cl100k_base", vocab_size=100277, eot_token=100257)
+    header_path.write_text(json.dumps(header))
+    with pytest.raises(DataError) as e:
+        check_shards_for_model(out, 50304)
+    msg = str(e.value)
+    assert str(header_path.with_suffix(".bin")) in msg and "'cl100k_base'" in msg and "'gpt2'" in msg
+    assert "manifest" in msg and "--force" in msg
+    (out / "manifest.json").unlink()  # without a manifest: compared with the model's tokenizer
+    with pytest.raises(DataError, match="jaxgpt's tokenizer"):
+        check_shards_for_model(out, 50304)
+
+
+def test_ctrl_c_in_data_preparation_exits_130_with_one_line_and_leaves_nothing(tmp_path):
+    """A real SIGINT to `python -m jaxgpt.data` while it tokenizes: one line, exit 130, no traceback, no shards."""
+    import signal
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    out = tmp_path / "shards"
+    p = subprocess.Popen([sys.executable, "-m", "jaxgpt.data", "--input", str(corpus(tmp_path, 8)), "--out", str(out)],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()  # its first progress line: it is working
+        assert "[jaxgpt.data]" in line and p.poll() is None, line + p.stderr.read()[-2000:]
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("jaxgpt.data: interrupted"), err[-2000:]
+    assert err.count("jaxgpt.data:") == 1  # one line (besides the progress bar)
+    assert "jaxgpt.data: interrupted (Ctrl-C); no shards were committed" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("module", ["jaxgpt.data.__main__", "jaxgpt.checkpoint.__main__", "jaxgpt.eval.__main__",
+                                    "jaxgpt.generate", "jaxgpt.account"])
+def test_every_cli_runs_through_the_interrupt_handler(module, capsys):
+    from jaxgpt.interrupt import run_cli
+
+    source = Path(__import__("importlib").util.find_spec(module).origin).read_text()
+    prog = module.removesuffix(".__main__")
+    assert f'run_cli(main, "{prog}"' in source
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(interrupted, prog, left="nothing was written")
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err == f"{prog}: interrupted (Ctrl-C); nothing was written\n"
+
+    def full() -> int:
+        raise diskspace.WriteFailed("x: no space")
+
+    with pytest.raises(SystemExit) as e:
+        run_cli(full, prog)
+    assert e.value.code == 2 and capsys.readouterr().err == f"{prog}: error: x: no space\n"
