@@ -241,4 +241,18 @@ def test_account_memory_model_against_xla_gpu(request):
     est = account.estimate_memory(cs.cfg.model, batch_size=16, seq_len=1024, precision="bf16", grad_accum=32,
                                   attention="cudnn", device="h100-sxm")
     xla = data["memory"]["temp"]
-    assert abs(est.xla_temp - xla) / xla < 0.25, (est.xla_temp / 2**30, xla / 2**30)
+    assert abs(est.xla_temp - xla) / xla < 0.05, (est.xla_temp / 2**30, xla / 2**30)  # 8.37 vs 8.35 GiB measured
+
+
+@needs_plugin
+def test_account_cli_prints_the_compiled_figure_beside_its_own():
+    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--model", "tiny", "--batch", "4", "--seq-len", "64",
+                        "--device", "h100", "--compiled"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "XLA's memory_analysis() of the step compiled for h100" in r.stdout
+    total = next(line for line in r.stdout.splitlines() if line.startswith("total ") and "GiB" in line)
+    ratio = float(total.split()[-1])
+    assert 0.5 < ratio < 2.0, total
+    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--model", "tiny", "--device", "cpu", "--compiled"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 2 and "unknown target 'cpu'" in r.stderr and "Traceback" not in r.stderr
