@@ -19,6 +19,9 @@ adagrad   g += wd * p; a += g^2;                      ``Adagrad(initial_accumula
           p -= lr * g / sqrt(a + eps)                 eps=0, lr_decay=0)``: same rule (eps moved into a)
 rmsprop   g += wd * p; v = alpha v + (1-alpha) g^2;   ``RMSprop(alpha, eps, momentum=0, centered=False)``
           p -= lr * g / (sqrt(v) + eps)
+muon      blocks' matrices: b = m b + g; u = (1-m)    ``Muon(muon_lr, momentum, nesterov, ns_coefficients,
+          (g + m b); p -= lr_m (s NS_5(u) + wd_m p);  ns_steps, weight_decay)`` on transposed views, ``AdamW``
+          the rest: adamw as above (jaxgpt/muon.py)   on the rest (torch_ref/train.py)
 ========  ==========================================  =========================================================
 
 Where optax and torch differ *by default* (each is pinned above to one rule):

@@ -249,3 +249,21 @@ def test_cli_muon_run_sigkill_resume_bit_identical(tmp_path, tmp_path_factory):
 
     scores = json.loads((tmp_path / "hs.json").read_text())
     assert scores["n"] == 4 and 0 <= scores["acc_norm"] <= 1, scores
+
+
+@pytest.mark.slow
+def test_divergence_guard_rolls_a_muon_run_back(tmp_path):
+    """The loss-spike guard on a Muon run: an exploding lr diverges, the rollback restores checkpoint 4 (Muon's
+    momentum and AdamW's moments with it) and skips the bad batches, and the rollbacks are bounded."""
+    from jaxgpt.train import read_metrics
+    from tests.test_train_safety import run
+
+    out = tmp_path / "run"
+    muon = ["--optim.name=muon"]
+    assert run(out, "--max_steps=4", "--checkpoint_interval=1", "--keep_checkpoints=2", *muon) == 0
+    assert run(out, "--max_steps=10", "--checkpoint_interval=1", "--optim.lr=1e6", "--optim.muon_lr=1e6",
+               "--optim.warmup_steps=0", "--on_divergence=rollback", "--max_rollbacks=1", *muon) == 3
+    records = read_metrics(out)
+    rollbacks = [r for r in records if r["type"] == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0]["to_step"] >= 4
+    assert [r["type"] for r in records if r["type"] in ("divergence", "rollback")][:2] == ["divergence", "rollback"]
