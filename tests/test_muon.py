@@ -267,3 +267,23 @@ def test_divergence_guard_rolls_a_muon_run_back(tmp_path):
     rollbacks = [r for r in records if r["type"] == "rollback"]
     assert len(rollbacks) == 1 and rollbacks[0]["to_step"] >= 4
     assert [r["type"] for r in records if r["type"] in ("divergence", "rollback")][:2] == ["divergence", "rollback"]
+
+
+@pytest.mark.slow
+def test_tiny_muon_step_compiles_for_h100():
+    """The train step with Muon compiled for an H100 (compile-only, JAX's CUDA plugin): cuDNN attention, bf16
+    GEMMs, params and both parts' optimizer state donated; Newton-Schulz's matmuls in the optimizer's kernels."""
+    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled, _state_arrays
+
+    if PLUGIN_PROBLEM is not None:
+        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
+    cs, data = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("optim.name=muon",))
+    assert cs.cfg.optim.name == "muon" and data["fits"]
+    st = data["structure"]
+    assert st["cudnn_attention_fwd"] == st["cudnn_attention_bwd"] == 2 and st["square_buffers"] == 0
+    # the model's GEMMs as with AdamW; Newton-Schulz's in bf16 (its iterate is bf16, as torch's): 2 layers x 4
+    # matrices (q, k, v one batched GEMM) x 5 steps x 3 products
+    assert set(st["gemms"]) == {"bf16 x bf16 -> f32", "bf16 x bf16 -> bf16"}, st["gemms"]
+    assert st["gemms"]["bf16 x bf16 -> bf16"] == 2 * 4 * 5 * 3
+    n_arrays, state_bytes = _state_arrays(cs)
+    assert st["donated_params"] >= n_arrays and data["memory"]["alias"] >= state_bytes
