@@ -252,6 +252,18 @@ def gpu_section() -> list[str]:
     return out
 
 
+def gpu_compiled_section() -> list[str]:
+    """What ``python -m benchmarks.gpu.compiled`` wrote: the step compiled for GPUs without one (not run)."""
+    md = common.RESULTS / "gpu-compiled.md"
+    if not md.exists():
+        return []
+    return ["## GPU, compiled (not run)", "", md.read_text().rstrip(), "",
+            "Command: `python -m benchmarks.gpu.compiled record --label ...` per change, then `python -m "
+            "benchmarks.gpu.compiled markdown`; the memory table from `python -m jaxgpt.compile --config "
+            "configs/gpt2-124m.yaml --target {h100,h200,a100} --json benchmarks/results/compile-gpt2-124m-TARGET.json`.",
+            ""]
+
+
 def write(path: Path | None = None) -> Path:
     if path is None:  # results redirected (dry runs, tests): keep the report beside them
         path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
@@ -332,6 +344,7 @@ def write(path: Path | None = None) -> Path:
                 + ". Oversubscription slows torch (OpenMP spin-waits) more than JAX, so even same-run ratios from "
                 "those runs are biased; re-run them on an idle machine before quoting them.", ""]
     out += gpu_section()
+    out += gpu_compiled_section()
     tr = targets(train, gen)
     if tr:
         out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
@@ -358,7 +371,8 @@ def write(path: Path | None = None) -> Path:
                           f"{e['loadavg_end'][0]:.2f})" for e in gen.get("extra_runs", [])), ""]
     if data:
         out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
-    for name, title in (("eval_speed", "Evaluation: HellaSwag scoring"), ("checkpoint_io", "Checkpoint digests")):
+    for name, title in (("eval_speed", "Evaluation: HellaSwag scoring"), ("checkpoint_io", "Checkpoint digests"),
+                        ("muon", "Optimizers: Muon against AdamW")):
         md = common.RESULTS / f"{name}.md"
         if md.exists():  # their own tables, machine and command included (benchmarks/eval_speed.py, checkpoint_io.py)
             out += [f"## {title}", "", md.read_text().rstrip(), ""]
