@@ -256,3 +256,14 @@ def test_account_cli_prints_the_compiled_figure_beside_its_own():
     r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--model", "tiny", "--device", "cpu", "--compiled"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2 and "unknown target 'cpu'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_benchmarks_gpu_compiled_section_renders_the_committed_results():
+    """BENCHMARKS.md's "GPU, compiled (not run)" section is rendered from committed JSON (no plugin needed)."""
+    from benchmarks.gpu import compiled
+
+    md = compiled.markdown()
+    rows = json.loads(compiled.AB.read_text())
+    assert rows and "main as it was" in rows[0]["label"]
+    assert "| h100-sxm |" in md and "predictions" in md and "Target, predicted MFU >= 60%" in md
+    assert f"{rows[-1]['bytes_per_micro_step'] / 1e9:.1f}" in md

@@ -113,9 +113,10 @@ def markdown() -> str:
                 "| change | memory | GB moved per b16 micro-step | predicted step | predicted MFU | fusions | compile |",
                 "|---|---|---|---|---|---|---|"]
         for r in rows:
-            out.append(f"| {r['label']} | {r['memory_total'] / GiB:.2f} GiB | {r['bytes_per_micro_step'] / 1e9:.1f} | "
+            out.append(f"| {'' if r.get('kept', True) else '(not kept) '}{r['label']} | {r['memory_total'] / GiB:.2f} GiB | {r['bytes_per_micro_step'] / 1e9:.1f} | "
                        f"{r['time_s'] * 1e3:,.0f} ms | {r['mfu']:.1%} | {r['fusions']:,} | {r['compile_s']:.0f} s |")
-        first, base, last = rows[0], rows[1] if len(rows) > 1 else rows[0], rows[-1]
+        kept = [r for r in rows if r.get("kept", True)]
+        first, base, last = kept[0], kept[1] if len(kept) > 1 else kept[0], kept[-1]
         out += ["", f"Bytes moved per b16 micro-step: {first['bytes_per_micro_step'] / 1e9:.1f} GB on main as it was "
                 f"-> {last['bytes_per_micro_step'] / 1e9:.1f} GB "
                 f"({1 - last['bytes_per_micro_step'] / first['bytes_per_micro_step']:.0%} less); against the program "
