@@ -37,10 +37,15 @@ TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on a 2-core
 ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
 
 
-def execute(path: Path, workdir: Path):
-    """The notebook at ``path``, executed in a new kernel whose working directory is ``workdir``."""
+def execute(path: Path, workdir: Path, xla_cache: Path | None = None):
+    """The notebook at ``path``, executed in a new kernel whose working directory is ``workdir`` (with a persistent
+    XLA compilation cache in ``xla_cache``: a notebook that compiles the same step twice, as a resumed run does,
+    compiles it once)."""
     nb = nbformat.read(path, as_version=4)
     env = {**os.environ, "MPLBACKEND": "module://matplotlib_inline.backend_inline", "PYTHONHASHSEED": "0"}
+    if xla_cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(xla_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     client = nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3", record_timing=False,
                                      resources={"metadata": {"path": str(workdir)}})
     client.execute(env=env)
@@ -64,12 +69,17 @@ def code_cells(nb) -> list:
     return [c for c in nb.cells if c.cell_type == "code"]
 
 
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("notebooks_xla_cache")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_and_its_committed_outputs_are_current(path, tmp_path):
+def test_notebook_executes_and_its_committed_outputs_are_current(path, tmp_path, xla_cache):
     committed = nbformat.read(path, as_version=4)
     unexecuted = [i for i, c in enumerate(code_cells(committed)) if c.execution_count is None]
     assert not unexecuted, f"{path.name}: code cells {unexecuted} were committed without outputs; re-execute it"
-    fresh = execute(path, tmp_path)  # raises nbclient.exceptions.CellExecutionError on any error
+    fresh = execute(path, tmp_path, xla_cache)  # raises nbclient.exceptions.CellExecutionError on any error
     for i, (old, new) in enumerate(zip(code_cells(committed), code_cells(fresh), strict=True)):
         assert old.source == new.source
         before, after = summarise(old), summarise(new)
@@ -95,7 +105,7 @@ def _update(paths: list[str]) -> None:
     for p in paths or [str(p) for p in NOTEBOOKS]:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as d:
-            nb = execute(Path(p), Path(d))
+            nb = execute(Path(p), Path(d), Path(d) / "xla_cache")
         nbformat.write(nb, p)
         print(f"{p}: executed in {time.perf_counter() - t0:.1f} s")
 
