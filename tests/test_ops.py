@@ -39,16 +39,33 @@ def _plain_ce(h, w, t, vocab_size, dtype, precision):
     return -jnp.mean(jnp.take_along_axis(logp, t[..., None], axis=-1))
 
 
+def _fake_gpus():
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(platform="gpu")]
+
+
 @pytest.mark.parametrize("budget, n_chunks", [(None, 1), (5 * 72, 3), (4 * 72, 4)],
                          ids=["one-chunk", "3-chunks", "4-chunks-padded-rows"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_cross_entropy_matches_plain(monkeypatch, budget, n_chunks, dtype):
+@pytest.mark.parametrize("dtype, gpu_path", [("float32", False), ("bfloat16", False), ("float32", True)],
+                         ids=["fp32", "bf16", "fp32-gpu-path"])
+def test_fused_cross_entropy_matches_plain(monkeypatch, budget, n_chunks, dtype, gpu_path):
     """Loss, dh and dw of the chunked fused loss equal the plain logits -> log_softmax -> mean NLL, over a
     padded vocabulary (72 rows, 67 real: the padded columns must take no probability), with one chunk (the
     scan is inlined: the path where XLA would fold the dW transpose into the dot), and with several chunks
-    (batch 3 x seq 5 = 15 rows: 3 chunks of 5, or 4 chunks of 4 with one padded row)."""
+    (batch 3 x seq 5 = 15 rows: 3 chunks of 5, or 4 chunks of 4 with one padded row). ``gpu_path``: the same
+    on CPU as traced for GPUs (all padded rows kept and masked, max and sum of exp in one online pass)."""
     if budget is not None:
-        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS_GPU" if gpu_path else "CE_CHUNK_ELEMENTS", budget)
+    if gpu_path:
+        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS_GPU", budget or ops.CE_CHUNK_ELEMENTS)
+        with ops.traced_for(_fake_gpus()):
+            _check_fused_ce(n_chunks, dtype)
+        return
+    _check_fused_ce(n_chunks, dtype)
+
+
+def _check_fused_ce(n_chunks, dtype):
     B, T, C, Vp, V = 3, 5, 16, 72, 67
     assert -(-B * T // ops._chunk_rows(B * T, Vp)) == n_chunks
     h, w = _rand(0, (B, T, C)), _rand(1, (Vp, C), 0.5)
@@ -224,3 +241,16 @@ def _check_bf16_train_grads_have_no_fp32_dots():
     assert len(dots) >= 6 * 3 * cfg.n_layer  # 6 matmuls per layer, forward + 2 backward each
     fp32 = [d for d in dots if "f32" in d["operand_dtypes"]]
     assert not fp32, fp32[:3]
+
+
+def test_online_max_and_sum_exp_against_float64():
+    """The one-pass (max, sum exp) of the GPU loss path: rows with masked (-inf) columns and large logits."""
+    x = np.asarray(_rand(7, (9, 300), 20.0))
+    x[:, 250:] = -np.inf  # padded vocabulary columns
+    x[0, :250] = np.linspace(-80.0, 80.0, 250)
+    m, s = jax.jit(ops._max_and_sum_exp)(jnp.asarray(x))
+    x64 = x.astype(np.float64)
+    m64 = x64.max(axis=1, keepdims=True)
+    s64 = np.exp(x64 - m64).sum(axis=1, keepdims=True)
+    assert np.array_equal(np.asarray(m), m64.astype(np.float32))
+    assert np.abs(np.asarray(s, np.float64) / s64 - 1).max() < 250 * 2**-24  # a 250-term fp32 sum's bound
