@@ -287,3 +287,21 @@ def test_tiny_muon_step_compiles_for_h100():
     assert st["gemms"]["bf16 x bf16 -> bf16"] == 2 * 4 * 5 * 3
     n_arrays, state_bytes = _state_arrays(cs)
     assert st["donated_params"] >= n_arrays and data["memory"]["alias"] >= state_bytes
+
+
+@pytest.mark.slow
+def test_benchmark_runs_end_to_end(tmp_path):
+    """benchmarks/muon.py on a few steps: the sweep, the seeds, the interleaved timing, the JSON, table and plot."""
+    import json
+
+    from benchmarks import muon as bench
+
+    assert bench.main(["--steps", "8", "--warmup", "2", "--eval-every", "4", "--adamw-lrs", "3e-3,6e-3",
+                       "--muon-lrs", "0.02", "--seeds", "0,1", "--timing-pairs", "2", "--eval-windows", "8",
+                       "--core", "-1", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "muon.json").read_text())
+    s = res["summary"]
+    assert len(res["runs"]) == 2 + 1 + 2 and len(s["adamw_final"]) == len(s["muon_final"]) == 2
+    assert s["adamw_step_ms"] > 0 and s["muon_step_ms"] > 0 and s["budget_tokens"] == 8 * 16 * 128
+    assert "| median step time" in (tmp_path / "muon.md").read_text()
+    assert (tmp_path / "muon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
