@@ -146,3 +146,50 @@ def test_a_signal_before_the_first_step_ends_the_run_with_nothing_to_save(tmp_pa
     assert proc.returncode == 143, log[-3000:]
     assert "interrupted by SIGTERM before the first step: nothing was trained" in log and "Traceback" not in log
     assert saved_steps(out) == []
+
+
+@pytest.mark.slow  # three 2-process runs: ~2-4 min on 2 shared cores
+def test_two_processes_agree_on_the_step_to_save_and_resume_bit_for_bit(tmp_path):
+    """SIGTERM to process 1 only: it posts a notice, process 0 sees it at its next step, both save the same step
+    (the largest either had reached) and exit 143. Resumed as 2 processes, the run repeats an uninterrupted
+    2-process run bit for bit."""
+    from tests.test_multihost import _env, _train_cmd, free_port
+
+    cache = tmp_path / "xla_cache"
+    env = _env(2, JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    args = ("--batch_size=2", "--mesh=data=2,fsdp=2", "--max_steps=10", "--checkpoint_interval=4")
+
+    def two(out: Path, **extra: str) -> list[subprocess.Popen]:
+        port = free_port()
+        return [subprocess.Popen(_train_cmd(out, *args), cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT,
+                                 env={**env, **extra, "JAXGPT_COORDINATOR": f"127.0.0.1:{port}",
+                                      "JAXGPT_NUM_PROCESSES": "2", "JAXGPT_PROCESS_ID": str(i)}) for i in (0, 1)]
+
+    def wait_all(procs: list[subprocess.Popen]) -> list[str]:
+        try:
+            return [p.communicate(timeout=400)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+
+    ref = two(tmp_path / "ref")
+    logs = wait_all(ref)
+    assert all(p.returncode == 0 for p in ref), logs[0][-3000:] + logs[1][-3000:]
+
+    out = tmp_path / "run"
+    procs = two(out, JAXGPT_DEBUG_STEP_SLEEP="0.3")
+    wait_for(procs[0], lambda: len(steps_done(out)) >= 5, timeout=400)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    logs = wait_all(procs)
+    assert [p.returncode for p in procs] == [143, 143], logs[0][-3000:] + logs[1][-3000:]
+    assert "another process (process 1) received SIGTERM" in logs[0]
+    stopped = [int(log.split("stopped after step ")[1].split(";")[0]) for log in logs]
+    assert stopped[0] == stopped[1] == saved_steps(out)[-1] == max(steps_done(out)), (stopped, saved_steps(out))
+
+    resumed = two(out)
+    logs = wait_all(resumed)
+    assert all(p.returncode == 0 for p in resumed), logs[0][-3000:] + logs[1][-3000:]
+    assert f"resumed from step {stopped[0]}" in logs[0]
+    assert losses(out) == losses(tmp_path / "ref")

@@ -15,12 +15,14 @@ the save at once (``os._exit``): orbax's temporary directory is left behind (``c
 (set-up, compilation, the step-0 evaluation) a signal ends the run at once as ``KeyboardInterrupt`` does: nothing
 has been trained, so nothing is lost.
 
-With several processes every process must save the same step (the save is a collective). A signal may reach one
-process only, or each at a different step, so the processes agree through the JAX distributed runtime's key-value
-store: a signalled process posts a notice; every process looks for it once per step (one non-blocking read),
-and once it has seen it posts the last step it has dispatched and reads everyone's; all stop at the largest
-(the others train on up to it). This is what JAX's own preemption sync point does for SIGTERM; done here it also
-covers SIGINT and works with Python's signal handlers, which replace the runtime's SIGTERM notifier.
+With several processes every process must save the same step (the save is a collective). A signal may reach
+one process only, or each at a different step, so the processes agree, through the JAX distributed runtime's
+key-value store, at the step loop's synchronisations (every ``log_interval`` steps and at evaluations and
+checkpoints: the same steps on every process, each with nothing left in flight): each posts whether it has
+received a signal and reads the others' posts, and if any has, all stop after that step. With
+``log_interval: 1`` (our configs) that is the very next step. JAX's own preemption sync point does this for
+SIGTERM; done here it also covers SIGINT and works with Python's signal handlers, which replace the runtime's
+SIGTERM notifier.
 """
 
 from __future__ import annotations
@@ -33,9 +35,8 @@ import time
 from typing import Any, Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-NOTICE_KEY = "jaxgpt/preemption/notice"
-STEP_KEY = "jaxgpt/preemption/step/"  # + process index
-AGREE_TIMEOUT_MS = 120_000  # a process that never reports its step (it died): the runtime stops the job first
+STEP_KEY = "jaxgpt/preemption/step/"  # + "<step>/<process index>": the signal that process has received (0: none)
+AGREE_TIMEOUT_MS = 3_600_000  # the others may still be evaluating (HellaSwag); a dead process ends the job first
 
 
 def exit_code(signum: int) -> int:
@@ -131,11 +132,16 @@ class Preemption:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def stop_at(self, step: int) -> int | None:
-        """Called once per step, after step ``step`` (the last one dispatched) and what was due at it: the step
-        to stop after, once a signal has been received here or (with several processes) anywhere; else None.
-        With one process that is ``step`` itself; with several, the largest step any process had reached when it
-        learned of the signal (it may be later than ``step``: keep training until then)."""
+    def stop_at(self, step: int, *, synced: bool = True) -> int | None:
+        """Called once per step, after step ``step`` and what was due at it: the step to stop after once a signal
+        has been received here or (with several processes) anywhere; else None.
+
+        With one process that is ``step`` itself, as soon as the signal arrived. With several, the processes agree
+        only where every one of them stands at the same step with nothing in flight: after a synchronisation of
+        the step loop (``synced``: every ``log_interval`` steps and at evaluations and checkpoints, the same
+        steps on every process). There each posts whether it has received a signal and reads the others' posts;
+        if any has, all stop at this step. A process never blocks while another may still need it to finish a
+        step, so the agreement cannot deadlock."""
         if self._stop is not None:
             return self._stop
         if self.pcount == 1:
@@ -143,20 +149,24 @@ class Preemption:
                 return None
             self._stop = step
             return step
+        if not synced:
+            return None
         client = _client()
-        if self.signum is not None and not self._posted:
-            _set(client, NOTICE_KEY, str(self.signum))
-            self._posted = True
+        _set(client, f"{STEP_KEY}{step}/{self.pindex}", str(self.signum or 0))
+        posts = [int(client.blocking_key_value_get(f"{STEP_KEY}{step}/{q}", AGREE_TIMEOUT_MS))
+                 for q in range(self.pcount)]
+        if self._posted is not False:  # everyone has read my previous post (they posted this one after it)
+            _delete(client, f"{STEP_KEY}{self._posted}/{self.pindex}")
+        self._posted = step
+        signalled = [q for q, sig in enumerate(posts) if sig]
+        if not signalled:
+            return None
         if self.signum is None:
-            notice = _try_get(client, NOTICE_KEY)
-            if notice is None:
-                return None
-            self.signum = int(notice)
-            self.say(f"jaxgpt.train: another process received {signal_name(self.signum)}: stopping with it")
-        _set(client, f"{STEP_KEY}{self.pindex}", str(step))
-        steps = [int(client.blocking_key_value_get(f"{STEP_KEY}{q}", AGREE_TIMEOUT_MS)) for q in range(self.pcount)]
-        self._stop = max(steps)
-        return self._stop
+            self.signum = posts[signalled[0]]
+            self.say(f"jaxgpt.train: another process (process {signalled[0]}) received "
+                     f"{signal_name(self.signum)}: stopping with it after step {step}")
+        self._stop = step
+        return step
 
 
 def _client() -> Any:
@@ -175,11 +185,11 @@ def _set(client: Any, key: str, value: str) -> None:
         client.key_value_set(key, value)
 
 
-def _try_get(client: Any, key: str) -> str | None:
+def _delete(client: Any, key: str) -> None:
     try:
-        return client.key_value_try_get(key)
-    except Exception:  # NOT_FOUND (the runtime raises a generic error for a missing key)
-        return None
+        client.key_value_delete(key)
+    except Exception:  # already gone: nothing to free
+        pass
 
 
 def timed(fn: Callable[[], Any]) -> float:

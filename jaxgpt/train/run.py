@@ -316,7 +316,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         now = time.perf_counter()
         steps, fetched = [s for s, _ in self.pending], jax.device_get([m for _, m in self.pending])
         dt = (now - self.t_mark) / len(steps)
-        self.pending, self.t_mark = [], now
+        self.pending, self.t_mark, self.synced_at = [], now, steps[-1]  # (where processes agree on a signal)
         if self.compile_s is None:
             self.compile_s = dt  # the first step after (re)starting: trace + compile + run
         else:

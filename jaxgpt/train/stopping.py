@@ -34,7 +34,7 @@ class Stopping:
         self.ckpts.check()
         p = self.preemption
         if p is not None:
-            stop = p.stop_at(step)
+            stop = p.stop_at(step, synced=getattr(self, "synced_at", None) == step)
             if stop is not None and step >= stop:
                 self.stop_on_signal(step)
 
