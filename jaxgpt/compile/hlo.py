@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5,
@@ -280,11 +279,11 @@ class Rollup:
 
 
 def _bthd(a: Array) -> tuple[int, int, int, int]:
-    """(batch, seq, heads, head_dim) of a cuDNN attention operand: the head dim is the last (64 for GPT-2),
-    heads the smaller of the two middle ones only if we cannot tell; jaxgpt passes (B, T, H, D)."""
-    if len(a.dims) == 4:
-        return a.dims  # type: ignore[return-value]
-    raise ValueError(f"unexpected attention operand {a}")
+    """(batch, seq, heads, head_dim) of a cuDNN attention operand as jaxgpt passes it, (B, T, H, D)."""
+    if len(a.dims) != 4:
+        raise ValueError(f"unexpected attention operand {a}")
+    b, t, h, d = a.dims
+    return b, t, h, d
 
 
 def categorize(ins: Instr, kind: str, dot_dtype: str | None) -> str:
@@ -322,10 +321,3 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], int]:
     """Every kernel of an optimized HLO module and the number of loops whose trip count XLA did not record."""
     r = Rollup(Module(hlo_text))
     return r.kernels, r.unknown_trip_counts
-
-
-def iter_instructions(hlo_text: str) -> Iterator[tuple[str, Instr]]:
-    m = Module(hlo_text)
-    for comp, instrs in m.computations.items():
-        for i in instrs:
-            yield comp, i
