@@ -90,6 +90,34 @@ def test_notebook_executes_and_its_committed_outputs_are_current(path, tmp_path,
             f"--update {path.relative_to(REPO)})")
 
 
+def test_the_comparison_tells_changed_outputs_from_timings_and_addresses():
+    """What the notebook test compares, on hand-made cells: changed text or a lost plot is a difference; a memory
+    address, a stderr warning, or how the kernel split a stream is not; volatile cells compare kinds only."""
+    v4 = nbformat.v4
+
+    def cell(*outputs, tags=()):
+        c = v4.new_code_cell("x", outputs=list(outputs))
+        if tags:
+            c.metadata["tags"] = list(tags)
+        return c
+
+    out = lambda text, name="stdout": v4.new_output("stream", name=name, text=text)  # noqa: E731
+    plot = v4.new_output("display_data", data={"image/png": "iVBORw0", "text/plain": "<Figure>"})
+    base = summarise(cell(out("loss 2.5 at <object at 0x7f3a2b1c9d10>\n"), plot))
+    assert summarise(cell(out("loss 2.5 at <object at 0x7f00deadbeef>\n"), plot)) == base  # address masked
+    assert summarise(cell(out("loss 2.5 at "), out("<object at 0x7f3a2b1c9d10>\n"), out("warn", "stderr"),
+                          plot)) == base  # split stream, stderr
+    assert summarise(cell(out("loss 2.6 at <object at 0x7f3a2b1c9d10>\n"), plot)) != base  # a number changed
+    assert summarise(cell(out("loss 2.5 at <object at 0x7f3a2b1c9d10>\n"))) != base  # the plot is gone
+    vol = summarise(cell(out("12.3 ms\n"), plot, tags=["volatile"]))
+    assert summarise(cell(out("45.6 ms\n"), plot, tags=["volatile"])) == vol
+    assert summarise(cell(plot, tags=["volatile"])) != vol  # printed nothing
+    assert summarise(cell(out("skipped\n"), tags=["environment"])) == summarise(cell(out("9 GiB\n"), plot,
+                                                                                     tags=["environment"]))
+    err = v4.new_output("error", ename="ValueError", evalue="bad", traceback=[])
+    assert summarise(cell(err, tags=["environment"]))["errors"] == ["ValueError"]
+
+
 def test_every_notebook_is_listed_in_the_readme():
     readme = (REPO / "README.md").read_text()
     assert NOTEBOOKS, "no notebooks under docs/notebooks"

@@ -10,7 +10,8 @@ Other flags: ``--print-config`` (print the resolved config as YAML and exit), ``
 
 The run directory (``out_dir``) gets ``config.yaml``, ``metrics.jsonl`` (one JSON record per logged step and
 per evaluation), ``samples.txt``, ``loss.png``, TensorBoard events under ``tb/`` (when tensorboardX or
-torch's tensorboard is installed) and orbax checkpoints under ``checkpoints/`` (see :mod:`jaxgpt.checkpoint`).
+torch's tensorboard is installed), orbax checkpoints under ``checkpoints/`` (see :mod:`jaxgpt.checkpoint`) and,
+with ``--wandb``, a Weights & Biases run (``wandb.json`` names it, W&B's files under ``wandb/``).
 With ``resume: auto`` (the default) a run directory that holds a checkpoint is resumed from it: the
 continued run repeats the uninterrupted one's losses bit for bit on CPU.
 
@@ -30,8 +31,8 @@ Modules: :mod:`~jaxgpt.train.config` (TrainConfig), :mod:`~jaxgpt.train.run` (th
 :mod:`~jaxgpt.train.resume` (continuing from a checkpoint), :mod:`~jaxgpt.train.changes` (what a resume may
 change), :mod:`~jaxgpt.train.safety` (checked checkpoints, rollback), :mod:`~jaxgpt.train.guard` (divergence
 rules), :mod:`~jaxgpt.train.evals` (validation, HellaSwag, samples), :mod:`~jaxgpt.train.feed` (batches one step
-ahead), :mod:`~jaxgpt.train.metrics` (metrics.jsonl, loss.png, throughput), :mod:`~jaxgpt.train.cli` (the
-command).
+ahead), :mod:`~jaxgpt.train.metrics` (metrics.jsonl, loss.png, throughput), :mod:`~jaxgpt.train.wandb_log`
+(``--wandb``), :mod:`~jaxgpt.train.cli` (the command).
 """
 
 from jaxgpt.train.cli import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE, MALLOC_TUNABLES, UsageError, main,
