@@ -115,7 +115,7 @@ def test_grad_clip_by_global_norm():
 
 
 # ---- every optimizer trains ------------------------------------------------------------------------------
-LRS = {"adamw": 3e-3, "adam": 3e-3, "sgd": 0.5, "adagrad": 3e-2, "rmsprop": 1e-3}
+LRS = {"adamw": 3e-3, "adam": 3e-3, "sgd": 0.5, "adagrad": 3e-2, "rmsprop": 1e-3, "muon": 3e-3}  # muon: its AdamW part
 
 
 @pytest.fixture(scope="module")
