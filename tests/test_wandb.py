@@ -23,8 +23,13 @@ TINY = ["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={REPO / '
 
 
 @pytest.fixture(autouse=True)
-def fresh_wandb():
-    """wandb keeps one process-wide setup (its settings read from the environment once): start each test anew."""
+def fresh_wandb(tmp_path_factory, monkeypatch):
+    """wandb keeps one process-wide setup (its settings read from the environment once): start each test anew,
+    with its settings, cache and staging directories in a scratch place and its error reporting off."""
+    home = tmp_path_factory.mktemp("wandb_home")
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(home / sub))
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     wandb.teardown()
     yield
     wandb.teardown()
@@ -113,7 +118,7 @@ def test_offline_history_equals_metrics_jsonl_and_a_resume_continues_it(tmp_path
     # resume from checkpoint 2 (steps 3 and 4 are in W&B already), run on to 6: same W&B run, no step twice
     capsys.readouterr()
     assert main(TINY + [f"--out_dir={out}", "--max_steps=6", "--checkpoint_interval=2", "--resume_step=2",
-                        "--wandb", "--wandb.project=jaxgpt-test"]) == 0
+                        "--sample_interval=-1", "--wandb", "--wandb.project=jaxgpt-test"]) == 0
     assert "steps 3-4 were already in W&B run" in capsys.readouterr().out
     first_again, second = offline_runs(out)
     assert second["id"] == first["id"]
