@@ -190,6 +190,9 @@ def test_records_map_to_tensorboard_names_and_cli_flag():
     assert record_to_wandb({"type": "train", "step": 5, "loss": 2.5, "mfu": None, "lr": 1e-3}) == \
         {"train/loss": 2.5, "train/lr": 1e-3}
     assert record_to_wandb({"type": "eval", "step": 5, "val_loss": 3.0}) == {"eval/val_loss": 3.0}
+    assert record_to_wandb({"type": "hellaswag", "step": 5, "acc": 0.25, "acc_norm": 0.26, "n": 100,
+                            "seconds": 1.5}) == {"hellaswag/acc": 0.25, "hellaswag/acc_norm": 0.26,
+                                                 "hellaswag/n": 100, "hellaswag/seconds": 1.5}
     assert record_to_wandb({"type": "config_change", "step": 5, "changes": {"a": [1, 2]}}) == {}
     _, overrides, _ = parse_args(["--wandb", "--wandb.project=p", "--wandb.tags=[a, b]"])
     assert overrides == {"wandb.enabled": True, "wandb.project": "p", "wandb.tags": ["a", "b"]}
