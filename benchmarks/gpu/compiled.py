@@ -107,6 +107,16 @@ def markdown() -> str:
                        f"{s['prediction']['time_s'] * 1e3:,.0f} ms per {s['tokens_per_step']:,} tokens, "
                        f"MFU {s['predicted_mfu']:.1%} |")
         out.append("")
+    multi = common.RESULTS / "compile-gpt2-124m-8xh100.json"
+    if multi.exists():
+        m = json.loads(multi.read_text())
+        coll = "; ".join(f"{op}: {n} per optimizer step" + (" (outside the accumulation loop)" if d == "0" else
+                                                          f" (inside loop depth {d})")
+                         for op, by in m["structure"]["collectives"].items() for d, n in by.items())
+        out += [f"8 x H100 SXM, data parallel, b{m['micro_batch']} per GPU x {m['micro_steps']} micro-steps "
+                f"({m['tokens_per_step']:,} tokens): {m['memory']['total'] / GiB:.2f} GiB per GPU, predicted "
+                f"{m['prediction']['time_s'] * 1e3:,.1f} ms per step (MFU {m['predicted_mfu']:.1%}; collectives at HBM "
+                f"bandwidth, a lower bound); {coll}.", ""]
     rows = json.loads(AB.read_text()) if AB.exists() else []
     if rows:
         out += ["### The traffic changes, one at a time (gpt2 124M, b16 x 32 micro-steps, one H100 SXM)", "",
