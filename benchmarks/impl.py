@@ -108,6 +108,8 @@ def jax_fixed_batch_step(cfg, policy, init, x, y):
     xd, yd = jax.device_put(jnp.asarray(x)), jax.device_put(jnp.asarray(y))
     key = jax.random.key(0)
     holder = {"state": state}
+    if hasattr(step_fn, "jitted"):  # jaxgpt's step: its compiled program, for the roofline prediction
+        holder["compiled_text"] = lambda: step_fn.jitted.lower(holder["state"], xd, yd, key).compile().as_text()
 
     def step():
         holder["state"], metrics = step_fn(holder["state"], xd, yd, key)

@@ -129,6 +129,7 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
             "flops_per_step": full, "flops_per_step_causal_halved": causal, "peak_flops": peak, "peak_source": peak_src,
             "peak_device_gib": res["peak_device_mib"] / 1024 if res.get("peak_device_mib") else None,
             "cold_first_step_s": res["cold_first_step_s"], "loss_first": res["loss_first"], "loss_last": res["loss_last"],
+            "predicted_step_ms": res["predicted_step_s"] * 1e3 if res.get("predicted_step_s") else None,
             "device_kind": res.get("device_kind"), "details": {k: res.get(k) for k in (
                 "train_step", "optimizer", "optimizer_class", "policy", "attention", "sdpa_backends_enabled",
                 "timing", "xla_flags", "process_s")}}
@@ -230,18 +231,22 @@ def markdown(res: dict[str, Any]) -> str:
         f"MFU: jaxgpt.flops training FLOPs (matmuls; attention over the full T x T, as nanoGPT and PaLM count it) "
         f"/ step time / peak; peak: {src}. Step time: median of {res['steps'] // 5} windows of 5 steps, "
         "device-synchronised at each window's ends, after a cold step and 3 warm-up steps.", "",
-        "| model | variant | micro-batch | tok/s | step ms | MFU | MFU (causal-halved count) | peak memory GiB | "
-        "cold 1st step s | loss 1st -> last |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        "Predicted: the roofline lower bound of the same compiled step (`python -m jaxgpt.compile`'s prediction, "
+        "from the program this GPU ran, autotuned); measured / predicted says how far the GPU sits from it.", "",
+        "| model | variant | micro-batch | tok/s | step ms | predicted ms | measured / predicted | MFU | "
+        "MFU (causal-halved count) | peak memory GiB | cold 1st step s | loss 1st -> last |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in res["rows"]:
         name = f"**{r['variant']}**" if r["variant"] == "jax_bf16" else r["variant"]
         if "error" in r:
             what = "does not fit (out of memory)" if r.get("does_not_fit") else _last_line(r["error"])[:200]
-            lines.append(f"| {r['shape']} | {name} | {r['batch']} | {what.replace('|', '/')} |||||||")
+            lines.append(f"| {r['shape']} | {name} | {r['batch']} | {what.replace('|', '/')} |||||||||")
             continue
         pct = (lambda x: f"{100 * x:.1f}%" if x is not None else "-")
+        pred = r.get("predicted_step_ms")
+        vs_pred = f"{r['step_ms']['median'] / pred:.2f}x" if pred else "-"
         lines.append(f"| {r['shape']} | {name} | {r['batch']} | {r['tokens_per_s']:,.0f} | {r['step_ms']['median']:,.1f} "
-                     f"| {pct(r['mfu'])} | {pct(r['mfu_causal_halved'])} | "
+                     f"| {common.fmt(pred, 1) if pred else '-'} | {vs_pred} | {pct(r['mfu'])} | {pct(r['mfu_causal_halved'])} | "
                      f"{common.fmt(r['peak_device_gib'], 1)} | {r['cold_first_step_s']:.1f} | "
                      f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
     lines += ["", "Targets (gpt2 124M, T=1024, jaxgpt's best micro-batch):", "",

@@ -79,6 +79,7 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
         "timing": f"{spec.get('windows', 4)} windows x {window} steps, synchronised at each window's ends",
         "loss_first": loss_first, "loss_last": loss_last, "peak_device_mib": fns["peak_mib"](),
         "peak_rss_mib": peak_rss_mib(), "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
+        "predicted_step_s": fns["predicted_s"]() if "predicted_s" in fns else None,
     }
 
 
@@ -103,8 +104,19 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
     info = {**sources, "policy": str(policy),
             "attention": policy.attention_impl(), "device_kind": device.device_kind, "platform": device.platform,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    def predicted_s():
+        """The same step's roofline lower bound from its compiled kernels (jaxgpt.compile), None off the table."""
+        from jaxgpt import account
+        from jaxgpt.compile import hlo, predict, targets
+
+        target = targets.TARGETS.get(account.resolve_device(device)) if device.platform == "gpu" else None
+        if target is None or "compiled_text" not in holder:
+            return None
+        kernels, _ = hlo.kernels(holder["compiled_text"]())
+        return predict.predict(kernels, predict.gpu_peaks(target), model_flops=0.0, tokens=1).time_s
+
     return {"step": step, "sync": lambda: jax.block_until_ready(holder["state"]),
-            "value": lambda m: float(m["loss"]), "peak_mib": peak_mib, "info": info}
+            "value": lambda m: float(m["loss"]), "peak_mib": peak_mib, "info": info, "predicted_s": predicted_s}
 
 
 def _torch(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dict]:
