@@ -267,3 +267,14 @@ def test_benchmarks_gpu_compiled_section_renders_the_committed_results():
     assert rows and "main as it was" in rows[0]["label"]
     assert "| h100-sxm |" in md and "predictions" in md and "Target, predicted MFU >= 60%" in md
     assert f"{rows[-1]['bytes_per_micro_step'] / 1e9:.1f}" in md
+
+
+@needs_plugin
+def test_cli_a_config_that_does_not_fit_is_exit_2_with_the_need_and_the_pool(tmp_path):
+    out = tmp_path / "r.json"
+    r = _cli("--config", "configs/tiny-test.yaml", "--set", "precision=bf16", "--mem-fraction", "0.000001",
+             "--no-search", "--json", str(out))
+    assert r.returncode == 2, r.stderr
+    assert "does not fit: the step needs" in r.stderr and "JAX's pool on h100-sxm" in r.stderr
+    assert "Traceback" not in r.stderr and "DOES NOT FIT" in r.stdout
+    assert json.loads(out.read_text())["fits"] is False
