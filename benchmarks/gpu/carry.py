@@ -92,9 +92,19 @@ def normalise(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
+# Named by the dev extra but not carried, with the reason: the tests that use them skip cleanly without them, and
+# what they check does not depend on the device (the notebooks run on the CPU in CI).
+NOT_CARRIED: dict[str, str] = {
+    "nbclient": "tests/test_notebooks.py (importorskip): the notebooks are executed by CI on the CPU",
+    "nbformat": "tests/test_notebooks.py (importorskip)",
+    "ipykernel": "the notebooks' kernel, for tests/test_notebooks.py only",
+}
+
+
 def missing_from(image: frozenset[str] = IMAGE, carried: dict[str, str] = CARRIED) -> set[str]:
-    """The packages pyproject.toml needs that neither the image nor the carried wheels provide."""
-    have = {normalise(n) for n in image} | {normalise(n) for n in carried}
+    """The packages pyproject.toml needs that neither the image nor the carried wheels provide (:data:`NOT_CARRIED`
+    aside)."""
+    have = {normalise(n) for n in image} | {normalise(n) for n in carried} | {normalise(n) for n in NOT_CARRIED}
     return {n for n in (normalise(x) for x in names_required()) if n not in have}
 
 
