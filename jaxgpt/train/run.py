@@ -313,8 +313,10 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         write a held checkpoint once the step after it has passed. The first diverged step's verdict, if any."""
         import jax
 
-        now = time.perf_counter()
         steps, fetched = [s for s, _ in self.pending], jax.device_get([m for _, m in self.pending])
+        # timed once the metrics are on the host, i.e. the steps have run: dispatch returns at once (on a GPU
+        # always; on the CPU after an evaluation), so a clock read before the fetch timed the dispatch alone
+        now = time.perf_counter()
         dt = (now - self.t_mark) / len(steps)
         self.pending, self.t_mark, self.synced_at = [], now, steps[-1]  # (where processes agree on a signal)
         if self.compile_s is None:
