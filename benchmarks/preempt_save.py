@@ -7,7 +7,7 @@ check before the save is one forward pass over the next batch, so on a GPU with 
 milliseconds, on this CPU it is a small part). ``eval_interval: 0`` so the check compiles the eval step at the
 signal: the worst case (a run that already evaluated has it compiled). Must fit a 30 s grace period.
 
-    python -m benchmarks.preempt_save [--models tiny small gpt2] [--out-dir /tmp/preempt-bench]
+    python -m benchmarks.preempt_save [--models tiny small gpt2] [--eval-compiled] [--out-dir /tmp/preempt-bench]
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def one(model: str, out_dir: Path) -> dict:
+def one(model: str, out_dir: Path, *, eval_compiled: bool = False) -> dict:
     run = out_dir / model
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "jaxgpt.train", "--config", str(REPO / "configs/tiny-test.yaml"),
            f"--model_preset={model}", "--batch_size=1", "--seq_len=64", "--total_batch_tokens=null",
-           "--max_steps=100000", "--eval_interval=0", "--checkpoint_interval=0", "--sample_interval=-1",
+           "--max_steps=100000", f"--eval_interval={100000 - 1 if eval_compiled else 0}", "--checkpoint_interval=0", "--sample_interval=-1",
            "--optim.decay_steps=100000", f"--data_dir={REPO / 'data_cache' / 'shakespeare'}", f"--out_dir={run}",
            "--progress=false", "--plot=false"]
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -49,7 +49,7 @@ def one(model: str, out_dir: Path) -> dict:
     m = re.search(r"saved checkpoint step (\d+) in ([\d.]+) s", out)
     ckpt = run / "checkpoints" / (m.group(1) if m else "?")
     size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) if ckpt.is_dir() else None
-    return {"model": model, "exit_code": proc.returncode, "signal_to_exit_s": round(exit_s, 2),
+    return {"model": model, "eval_step_compiled_before": eval_compiled, "exit_code": proc.returncode, "signal_to_exit_s": round(exit_s, 2),
             "save_s": float(m.group(2)) if m else None, "checkpoint_bytes": size,
             "tail": None if m else out[-1500:]}
 
@@ -58,9 +58,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=["tiny", "small", "gpt2"])
     p.add_argument("--out-dir", default="/tmp/jaxgpt-preempt-bench")
+    p.add_argument("--eval-compiled", action="store_true",
+                   help="evaluate at step 0 (eval_interval > 0), so the check at the signal finds its step compiled")
     args = p.parse_args()
     for model in args.models:
-        r = one(model, Path(args.out_dir))
+        r = one(model, Path(args.out_dir), eval_compiled=args.eval_compiled)
         print(json.dumps(r), flush=True)
 
 

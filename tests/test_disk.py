@@ -277,16 +277,21 @@ def test_a_shard_whose_header_names_another_tokenizer_is_refused(tmp_path):
 def test_ctrl_c_in_data_preparation_exits_130_with_one_line_and_leaves_nothing(tmp_path):
     """A real SIGINT to `python -m jaxgpt.data` while it tokenizes: one line, exit 130, no traceback, no shards."""
     import signal
+    import time
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "shards"
-    p = subprocess.Popen([sys.executable, "-m", "jaxgpt.data", "--input", str(corpus(tmp_path, 8)), "--out", str(out)],
-                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "jaxgpt.data", "--input", str(corpus(tmp_path, 12)), "--out",
+                          str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        line = p.stdout.readline()  # its first progress line: it is working
-        assert "[jaxgpt.data]" in line and p.poll() is None, line + p.stderr.read()[-2000:]
+        seen = b""
+        while b"tokenizing" not in seen and p.poll() is None:  # its progress bar: it is tokenizing
+            seen += os.read(p.stderr.fileno(), 4096)
+        assert p.poll() is None, seen.decode()[-2000:]
+        time.sleep(0.3)
         p.send_signal(signal.SIGINT)
-        _, err = p.communicate(timeout=60)
+        _, rest = p.communicate(timeout=60)
+        err = (seen + rest).decode()
     finally:
         p.kill()
     assert p.returncode == 130, err[-2000:]

@@ -52,7 +52,8 @@ last. A failure leaves an existing directory as it was and a new one absent. Tra
 directory.
 
 Before training, :func:`check_shards_for_model` compares the manifest's tokenizer record and every shard's
-``max_token`` with the model's vocabulary (reading whole the small shards that lack ``max_token``), and a
+``max_token`` with the model's vocabulary, and every shard header's tokenizer record (name, vocabulary size,
+end-of-text id) with the manifest's (without a manifest: with jaxgpt's tokenizer), naming the shard and both (reading whole the small shards that lack ``max_token``), and a
 :class:`DataLoader` given ``vocab_size`` checks every batch it returns; an id outside the vocabulary is named by
 shard, token offset and value.
 

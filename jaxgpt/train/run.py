@@ -381,8 +381,12 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-                png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main and not self.stopped_early \
-                    else None
+                try:
+                    png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main and not self.stopped_early \
+                        else None
+                except OSError as e:  # a full disk: the error that stopped the run is the one to report
+                    png = None
+                    self.say(f"  loss.png not written: {e.strerror or e}")
                 if self.metrics.tracker is not None:
                     self.metrics.tracker.finish(png)
             self._unlock()
