@@ -233,7 +233,9 @@ def write_outputs(res: dict, out: Path) -> None:
 
 def markdown(res: dict) -> str:
     s = res["summary"]
-    cpu = res["cpu"].get("model_name") or "CPU"
+    flags = res["cpu"].get("flags", {})
+    cpu = (res["cpu"].get("model_name") or "CPU") + " (" + ", ".join(
+        f"{f} {'yes' if flags.get(f) else 'no'}" for f in ("avx512f", "avx512_bf16", "amx_bf16")) + ")"
     f = lambda xs: ", ".join(f"{x:.4f}" for x in xs)  # noqa: E731
     f0 = lambda xs: ", ".join(f"{x:.0f}" for x in xs)  # noqa: E731
     r = lambda xs: ", ".join("not reached" if x is None else f"{x:.2f}x" for x in xs)  # noqa: E731
@@ -254,7 +256,10 @@ def markdown(res: dict) -> str:
         f"({100 * s['step_overhead']:+.1f}%) |",
         f"| median step time in each run | {f0(s['runs_step_ms']['adamw'])} ms | {f0(s['runs_step_ms']['muon'])} ms |",
         "",
-        f"Target (<= 0.75x tokens, <= 10% step overhead): {'met' if s['target_met'] else 'not met'}.",
+        "Targets: tokens <= 0.75x AdamW's: " + ("met" if s["muon_token_ratio_mean"] is not None and all(
+            x is not None and x <= 0.75 for x in s["muon_token_ratio"]) else "not met")
+        + f"; step-time overhead <= 10%: {'met' if s['step_overhead'] <= 0.10 else 'not met'} "
+        f"({100 * s['step_overhead']:+.1f}%).",
         "",
         "Sweeps (seed 0, final val loss): " + "; ".join(
             f"{k.removesuffix(' seed=0')}: {v['final']:.4f}" for k, v in res["runs"].items() if v["seed"] == 0),
@@ -263,6 +268,8 @@ def markdown(res: dict) -> str:
         "",
         f"Command: `{res.get('command', 'python -m benchmarks.muon')}` (git {res.get('git', '?')}).",
     ]
+    if res.get("note"):
+        lines += ["", res["note"]]
     return "\n".join(lines) + "\n"
 
 
