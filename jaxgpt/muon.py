@@ -141,6 +141,11 @@ def orthogonalize(x: jax.Array, cfg, dim_nums: MuonDimensionNumbers | None = Non
     """optax's Newton-Schulz (Frobenius preconditioning) of ``x`` computed in ``cfg.muon_ns_dtype``, returned in
     ``x``'s dtype."""
     dtype = NS_DTYPE[cfg.muon_ns_dtype]
+    if dtype == jnp.float64 and not jax.config.jax_enable_x64:  # jax would silently compute in float32
+        from jaxgpt.config import ConfigError
+
+        raise ConfigError("OptimConfig.muon_ns_dtype = 'float64' needs 64-bit jax: run inside "
+                          "`with jax.enable_x64(True):` (float64 is for tests), or use 'float32'")
     coeffs = jnp.asarray(cfg.muon_ns_coeffs, dtype)
     out = optax_muon.orthogonalize_via_newton_schulz(
         x.astype(dtype), coeffs, cfg.muon_ns_steps, "frobenius", jnp.asarray(NS_EPS, dtype),

@@ -46,6 +46,18 @@ def test_config_errors(field, value, msg):
         OptimConfig(name="muon", **{field: value})
 
 
+def test_float64_newton_schulz_needs_x64():
+    from jaxgpt.muon import orthogonalize
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+    with pytest.raises(ConfigError, match="needs 64-bit jax"):
+        orthogonalize(x, OptimConfig(muon_ns_dtype="float64"))
+    with jax.enable_x64(True):
+        y = orthogonalize(x.astype(jnp.float64), OptimConfig(muon_ns_dtype="float64"))
+        z = orthogonalize(x.astype(jnp.float64), OptimConfig(muon_ns_dtype="float32"))
+        assert y.dtype == jnp.float64 and 1e-9 < float(jnp.abs(y - z).max()) < 1e-4  # fp32's rounding, no more
+
+
 def test_yaml_style_dict_round_trip():
     cfg = OptimConfig.from_dict({"name": "muon", "muon_ns_coeffs": [3.0, -4.0, 2.0], "muon_lr": 0.05})
     assert cfg.muon_ns_coeffs == (3.0, -4.0, 2.0) and OptimConfig.from_dict(to_dict(cfg)) == cfg
