@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxgpt.train.config import TrainConfig
     from benchmarks.common import cpu_info
 
+    load_start = list(os.getloadavg())
     cfg = TrainConfig.load(args.config)
     policy = resolve_policy(cfg, "cpu")
     model = GPT(cfg.model, policy=policy, rngs=nnx.Rngs(params=0))
@@ -85,11 +87,15 @@ def main(argv: list[str] | None = None) -> int:
           f"GFLOP/s, copy bandwidth {bandwidth / 1e9:,.1f} GB/s")
     print(pred.table(peak=gemm.get(policy.compute_dtype.replace("float32", "fp32").replace("bfloat16", "bf16")),
                      peak_name="this CPU's GEMM probe"))
+    load_end = list(os.getloadavg())
     print(f"measured step {measured * 1e3:,.1f} ms (median of {args.steps}); predicted lower bound "
-          f"{pred.time_s * 1e3:,.1f} ms: measured / predicted = {measured / pred.time_s:.2f}x")
+          f"{pred.time_s * 1e3:,.1f} ms: measured / predicted = {measured / pred.time_s:.2f}x "
+          f"(load average {load_start[0]:.2f} -> {load_end[0]:.2f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(cpu=cpu, config=args.config, measured_s=measured, times=times,
+            json.dump(dict(cpu=cpu, config=args.config, measured_s=measured, times=times, loadavg_start=load_start,
+                           loadavg_end=load_end, compute=policy.compute_dtype, bandwidth=bandwidth,
+                           gemm_peak=dict(fp32=gemm.get("fp32"), bf16=gemm.get("bf16")),
                            prediction=pred.to_dict(), unknown_loops=unknown), f, indent=1, default=str)
     return 0
 

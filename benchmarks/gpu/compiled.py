@@ -142,6 +142,19 @@ def markdown() -> str:
                 out.append(f"| {cat} | {f(b, 'bytes', 1e-9)} | {f(b, 'time_s', 1e3 / 32)} | {f(a, 'bytes', 1e-9)} | "
                            f"{f(a, 'time_s', 1e3 / 32)} |")
         out.append("")
+    cpu = common.RESULTS / "roofline_cpu.json"
+    if cpu.exists():
+        c = json.loads(cpu.read_text())
+        ratio = c["measured_s"] / c["prediction"]["time_s"]
+        out += [f"How far a roofline sits from reality where a measurement exists (`python -m benchmarks.roofline_cpu`): "
+                f"the same roll-up of the XLA:CPU train step of `{c['config']}` ({c['compute']}) on this project's "
+                f"{c['cpu'].get('model_name')} (family {c['cpu'].get('family')} model {c['cpu'].get('model')}, "
+                f"{c['cpu'].get('cores')} cores; peaks measured in the same run: GEMM "
+                f"{c['gemm_peak']['fp32'] / 1e9:,.0f} fp32 / {c['gemm_peak']['bf16'] / 1e9:,.0f} bf16 GFLOP/s, copy "
+                f"{c['bandwidth'] / 1e9:,.1f} GB/s) predicts {c['prediction']['time_s'] * 1e3:,.0f} ms; the step measured "
+                f"{c['measured_s'] * 1e3:,.0f} ms, {ratio:.2f}x the bound (load average {c['loadavg_start'][0]:.1f}). "
+                "A GPU's ratio is its own; `benchmarks.gpu.bench` reports it beside each measured step when a GPU is lent.",
+                ""]
     out += ["Published anchors (measured on GPUs by others; not comparable to a lower bound): llm.c GPT-2 124M on 8x "
             "H100 ~467k tokens/s per GPU (~40% MFU by jaxgpt.flops' count); nanoGPT 124M on A100 ~37% MFU; the JAX "
             "port of jax-ml/jax#24411 on an A100 at 0.87-0.94x PyTorch's tokens/s. A measured GPU step, when a GPU is "
