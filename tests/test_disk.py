@@ -198,13 +198,14 @@ def _train(out: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_a_checkpoint_save_that_fills_the_disk_stops_the_run_at_the_next_step(small_fs, tmp_path):
+def test_a_checkpoint_save_that_fills_the_disk_stops_the_run_at_the_next_step(small_fs, tmp_path_factory):
     """tiny's checkpoints take ~20 MB: on a 32 MB disk the step-3 one fits and the step-6 one cannot. The
     pre-flight check refuses the run first; with --allow-low-disk it trains, and the failed save stops it with
     exit 2 within a step or two; step 3 stays restorable, the failed save shows as incomplete, the log is whole."""
     d = small_fs(32)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXGPT_DEBUG_STEP_SLEEP": "0.2",
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "xla_cache_tiny"),  # (test_preempt's)
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     out = d / "run"
     refused = _train(out, env)
     assert refused.returncode == 2, refused.stderr[-3000:]
@@ -324,3 +325,57 @@ def test_every_cli_runs_through_the_interrupt_handler(module, capsys):
     with pytest.raises(SystemExit) as e:
         run_cli(full, prog)
     assert e.value.code == 2 and capsys.readouterr().err == f"{prog}: error: x: no space\n"
+
+
+# ---- the same logic by fault injection (runs everywhere, no mount needed) ------------------------------------
+def test_a_failed_background_save_is_reported_by_the_next_check(tmp_path, monkeypatch):
+    """orbax reports a full disk from its background thread as ``ValueError: RESOURCE_EXHAUSTED ... No space left
+    on device`` at the next wait: ``check()`` (once per training step) surfaces it as CheckpointWriteFailed naming
+    the step, its size, the free space and the newest intact step; the intact step stays restorable."""
+    import time
+
+    import jax.numpy as jnp
+
+    from jaxgpt.checkpoint import Checkpoints
+    from jaxgpt.checkpoint.manager import CheckpointWriteFailed
+
+    ck = Checkpoints(tmp_path / "run", keep=3)
+    tree = {"w": jnp.arange(1000, dtype=jnp.float32)}
+    ck.save(1, params=tree, opt_state=tree, config={"model": {}})
+    ck.check()
+    ck.wait()
+    failing = {"armed": False}
+    real_wait = ck.manager.wait_until_finished
+
+    def wait_until_finished():
+        real_wait()
+        if failing.pop("armed", False):
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database: Failed to write 4000 '
+                             "bytes to file 5: No space left on device [os_error_code='28']")
+
+    monkeypatch.setattr(ck.manager, "wait_until_finished", wait_until_finished)
+    ck.save(2, params=tree, opt_state=tree, config={"model": {}})
+    failing["armed"] = True
+    with pytest.raises(CheckpointWriteFailed) as e:
+        for _ in range(400):  # (the save ends in the background; check() waits for nothing meanwhile)
+            ck.check()
+            time.sleep(0.05)
+    msg = str(e.value)
+    assert f"saving checkpoint step 2 into {ck.directory} failed: No space left on device" in msg
+    assert "it needed about 8.00 kB" in msg and "free on the file system" in msg
+    assert e.value.latest in (1, 2) and "re-run the same command" in msg
+    ck.check()  # reported once
+    ck.close()
+
+
+def test_the_pre_flight_check_refuses_a_small_disk(tmp_path, monkeypatch, capsys):
+    from jaxgpt.train import main
+
+    monkeypatch.setattr(diskspace, "free_bytes", lambda p: 5_000_000)  # 5 MB: less than one tiny checkpoint
+    args = TINY + [f"--out_dir={tmp_path / 'run'}", f"--data_dir={REPO / 'data_cache' / 'shakespeare'}",
+                   "--max_steps=2", "--eval_interval=0", "--sample_interval=-1", "--plot=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the run will keep up to 1 checkpoint of" in err and "only 5.00 MB is free" in err
+    assert "--allow_low_disk=true" in err and "Traceback" not in err
+    assert not list((tmp_path / "run" / "checkpoints").glob("[0-9]*"))  # (--allow-low-disk: the tmpfs test)

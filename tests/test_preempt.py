@@ -24,7 +24,7 @@ ARGS = ["--max_steps=10", "--checkpoint_interval=4", "--eval_interval=3", "--sam
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("xla_cache")
+    cache = tmp_path_factory.getbasetemp() / "xla_cache_tiny"  # shared with test_disk's tiny runs
     return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
 

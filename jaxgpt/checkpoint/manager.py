@@ -545,6 +545,12 @@ class Checkpoints:
         try:
             self.wait()
         finally:
+            # orbax removes old temporary directories in a background thread started with the manager: a process
+            # that stops right after (a refused run) must let it end, or it dies at interpreter shutdown, loudly
+            try:
+                getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+            except Exception:  # (its own failure is not this caller's error)
+                pass
             self.manager.close()
 
     def __enter__(self) -> "Checkpoints":

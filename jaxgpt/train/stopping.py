@@ -90,8 +90,9 @@ class Stopping:
         free = diskspace.free_bytes(self.ckpts.directory)
         if free is None or need <= free:
             return
-        msg = (f"{self.ckpts.directory}: the run will keep up to {min(at_peak, len(steps) + saves_left)} "
-               f"checkpoints of {diskspace.human(size)} each ({how}; keep_checkpoints {cfg.keep_checkpoints}, plus "
+        n = min(at_peak, len(steps) + saves_left)
+        msg = (f"{self.ckpts.directory}: the run will keep up to {n} checkpoint{'s' if n != 1 else ''} of "
+               f"{diskspace.human(size)} each ({how}; keep_checkpoints {cfg.keep_checkpoints}, plus "
                "the one being written" + (", plus the best one" if cfg.keep_best_checkpoint else "") + "): "
                f"{diskspace.human(need)} more than the {diskspace.human(existing)} there now, but only "
                f"{diskspace.human(free)} is free on that file system")
