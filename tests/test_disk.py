@@ -241,6 +241,10 @@ ck.save(1, params=small, opt_state=small, config={{"model": {{}}}})
 ck.wait()
 big = {{"w": jax.random.normal(jax.random.key(0), (4096, 4096))}}
 ck.save(2, params=big, opt_state=big, config={{"model": {{}}}})
+import time
+t = time.monotonic()  # orbax creates the temporary directory in its background thread: wait for it (while the
+while time.monotonic() - t < 10 and not any(n.startswith("2.") for n in os.listdir(ck.directory)):  # arrays are
+    time.sleep(0.001)  # still being written), then kill
 os.kill(os.getpid(), signal.SIGKILL)
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
