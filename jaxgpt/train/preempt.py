@@ -31,7 +31,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -190,9 +189,3 @@ def _delete(client: Any, key: str) -> None:
         client.key_value_delete(key)
     except Exception:  # already gone: nothing to free
         pass
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+
 from jaxgpt import diskspace
 from jaxgpt.train.preempt import Preempted, signal_name
 
