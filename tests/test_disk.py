@@ -228,6 +228,106 @@ def test_a_checkpoint_save_that_fills_the_disk_stops_the_run_at_the_next_step(sm
     assert "ok" in rows["3"] and "incomplete" in rows["6"], listing.stdout
 
 
+# ---- metrics.jsonl and loss.png ------------------------------------------------------------------------------
+def _record(step: int) -> dict:
+    return {"type": "train", "step": step, "loss": 10.5 - step / 100, "lr": 1e-3, "grad_norm": 1.25}
+
+
+def _whole_records(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text == "" or text.endswith("\n"), f"a torn last line: {text[-200:]!r}"
+    return [json.loads(line) for line in text.splitlines()]  # (a torn line would not parse)
+
+
+def test_a_metrics_write_that_fails_mid_record_leaves_only_whole_records(tmp_path, monkeypatch):
+    """Fault injection: the write of step 3's record takes 40 bytes and then hits ENOSPC. WriteFailed names the
+    file and the step; the log holds steps 1-2 only, after close() too (nothing buffered is flushed later)."""
+    from jaxgpt.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=False, truncate_after=None)
+    log.write(_record(1))
+    log.write(_record(2))
+    real_write, calls = os.write, {"n": 0}
+
+    def full_after_40_bytes(fd, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real_write(fd, bytes(data[:40]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_after_40_bytes)
+    with pytest.raises(diskspace.WriteFailed, match=r"metrics.jsonl: cannot append a record \(No space left on "
+                       r"device\).*every record up to step 3 \(excluded\)"):
+        log.write(_record(3))
+    assert calls["n"] == 2 and log.failed
+    assert _whole_records(tmp_path / "metrics.jsonl") == [_record(1), _record(2)]
+    monkeypatch.setattr(os, "write", real_write)
+    log.close()
+    assert _whole_records(tmp_path / "metrics.jsonl") == [_record(1), _record(2)]
+
+
+def test_a_metrics_write_into_a_full_tmpfs_leaves_only_whole_records(small_fs):
+    """A real full disk: the record that straddles the last free page is written in part, then ENOSPC. The log is
+    cut back to its whole records, and close() neither fails nor appends the rest of the record."""
+    from jaxgpt.train.metrics import MetricsLog
+
+    d = small_fs(1)
+    log = MetricsLog(d, tensorboard=False, truncate_after=None)
+    step, size = 1, len(json.dumps(_record(1))) + 1
+    while (os.path.getsize(d / "metrics.jsonl") % 4096) < 4096 - size + 20:  # the next record crosses a page
+        log.write(_record(step))
+        step += 1
+    fill(d)  # (the metrics file's last page still has room for the record's head)
+    with pytest.raises(diskspace.WriteFailed, match="No space left on device"):
+        log.write(_record(step))
+    log.close()
+    assert _whole_records(d / "metrics.jsonl") == [_record(s) for s in range(1, step)]
+
+
+def test_a_full_disk_at_a_metrics_write_stops_training_with_exit_2(tmp_path, monkeypatch, capsys):
+    """The run's own path (fault injection at step 3's record): one error line, exit 2, no traceback, a whole
+    log, and no loss.png drawn onto the full disk."""
+    from jaxgpt.train import main
+
+    real_write, armed = os.write, {"on": True}
+
+    def write(fd, data):
+        if armed["on"] and os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl") and b'"step": 3,' in data:
+            armed["on"] = False
+            real_write(fd, bytes(data[:25]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    out = tmp_path / "run"
+    code = main(TINY + [f"--out_dir={out}", f"--data_dir={REPO / 'data_cache' / 'shakespeare'}", "--max_steps=6",
+                        "--eval_interval=0", "--checkpoint_interval=0", "--sample_interval=-1"])
+    err = capsys.readouterr().err
+    assert not armed["on"], "the fault was never injected"
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: {out / 'metrics.jsonl'}: cannot append a record (No "
+                                                   "space left on device)")
+    assert [r["step"] for r in _whole_records(out / "metrics.jsonl")] == [1, 2]
+    assert not (out / "loss.png").exists()
+
+
+def test_plotting_leaves_matplotlib_s_backend_alone(tmp_path):
+    """loss.png is drawn without pyplot: a notebook that trains keeps its own backend (plt.show() still works)."""
+    import matplotlib
+
+    from jaxgpt.train.metrics import plot_losses
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(_record(s)) + "\n" for s in (1, 2, 3)))
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # stands for a notebook's backend: anything but Agg
+    try:
+        assert plot_losses(tmp_path) == tmp_path / "loss.png"
+        assert matplotlib.get_backend() == "svg"
+        assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        matplotlib.use(before)
+
+
 # ---- an interrupted save in the listing -------------------------------------------------------------------
 def test_checkpoint_list_shows_a_real_interrupted_save_as_incomplete(tmp_path):
     """A process saves step 1, then starts saving step 2 (64 MB) and is SIGKILLed while orbax writes it."""

@@ -4,6 +4,7 @@ loss (parameter count, model FLOPs per step, the device's peak for MFU)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,18 @@ SUPERSEDED_METRICS = "metrics.superseded.jsonl"  # records a resume dropped from
 
 
 class MetricsLog:
-    """metrics.jsonl (+ TensorBoard when importable); a no-op unless ``enabled`` (process 0 writes)."""
+    """metrics.jsonl (+ TensorBoard when importable); a no-op unless ``enabled`` (process 0 writes).
+
+    Each record goes to the file in one unbuffered write of whole lines (``os.write`` on an ``O_APPEND`` file
+    descriptor), so nothing is held in a buffer that a later flush could append; a write that fails (a full
+    disk) is cut back to the last whole record, so the log only ever holds whole records. ``failed``: a write
+    has failed (the run stops: :class:`jaxgpt.diskspace.WriteFailed`)."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, truncate_after: int | None, enabled: bool = True):
         self.path = run_dir / "metrics.jsonl"
-        self.file = self.tb = self.tracker = None  # tracker: a WandbTracker fed every record (--wandb)
+        self.fd: int | None = None
+        self.tb = self.tracker = None  # tracker: a WandbTracker fed every record (--wandb)
+        self.failed = False
         if not enabled:
             return
         if truncate_after is not None and self.path.exists():  # resumed: set aside what was logged later
@@ -64,18 +72,25 @@ class MetricsLog:
             tmp.replace(self.path)
         elif truncate_after is None and self.path.exists():
             self.path.unlink()
-        self.file = open(self.path, "a", buffering=1)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         if tensorboard:
             self.tb = _summary_writer(run_dir / "tb")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self.file is None:
+        if self.fd is None:
             return
-        line = json.dumps(record) + "\n"
+        line = (json.dumps(record) + "\n").encode()
+        whole = os.fstat(self.fd).st_size  # the log's length in whole records
         try:
-            self.file.write(line)
-        except OSError as e:  # a full disk: cut a partly written line off, so the log stays whole
-            self._cut_torn_line()
+            done = 0
+            while done < len(line):  # (a write may take only part of the line before the disk fills)
+                done += os.write(self.fd, line[done:])
+        except OSError as e:  # a full disk: cut the partly written line off, so the log stays whole
+            self.failed = True
+            try:
+                os.ftruncate(self.fd, whole)
+            except OSError:
+                pass
             from jaxgpt import diskspace
 
             raise diskspace.WriteFailed(f"{self.path}: cannot append a record ({e.strerror or e}); "
@@ -95,25 +110,13 @@ class MetricsLog:
         if self.tracker is not None:
             self.tracker.log_samples(step, texts)
 
-    def _cut_torn_line(self) -> None:
-        """Truncate metrics.jsonl after its last complete line (what a failed write may have left)."""
-        try:
-            self.file.flush()
-        except OSError:
-            pass
-        try:
-            with open(self.path, "r+b") as f:
-                data = f.read()
-                f.truncate(data.rfind(b"\n") + 1)
-        except OSError:
-            pass
-
     def close(self) -> None:
-        if self.file is not None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
             try:
-                self.file.close()
-            except OSError:  # the buffer could not be flushed (a full disk): keep the log whole
-                self._cut_torn_line()
+                os.close(fd)  # (nothing is buffered: every record was written whole or cut off)
+            except OSError:
+                pass
         if self.tb is not None:
             self.tb.close()
 
@@ -148,12 +151,14 @@ def plot_losses(run_dir: str | Path) -> Path | None:
     hs = [(r["step"], r["acc_norm"], r["acc"]) for r in records if r["type"] == "hellaswag"]
     if not train and not val:
         return None
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2 if hs else 1, figsize=(14 if hs else 8, 5), squeeze=False)
+    # a Figure of its own, drawn by Agg: no pyplot, so matplotlib's backend (a notebook's inline one, say) and
+    # pyplot's list of figures stay as the caller had them
+    fig = Figure(figsize=(14 if hs else 8, 5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if hs else 1, squeeze=False)
     ax = axes[0, 0]
     if train:
         ax.plot(*zip(*train), label="train", lw=1)
@@ -177,5 +182,4 @@ def plot_losses(run_dir: str | Path) -> Path | None:
         ax.legend()
     out = Path(run_dir) / "loss.png"
     fig.savefig(out, dpi=100, bbox_inches="tight")
-    plt.close(fig)
     return out

@@ -381,9 +381,9 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-                try:
-                    png = plot_losses(self.run_dir) if self.cfg.plot and self.is_main and not self.stopped_early \
-                        else None
+                plot = self.cfg.plot and self.is_main and not self.stopped_early and not self.metrics.failed
+                try:  # (not after a failed write: the disk is full, and the run is not finished)
+                    png = plot_losses(self.run_dir) if plot else None
                 except OSError as e:  # a full disk: the error that stopped the run is the one to report
                     png = None
                     self.say(f"  loss.png not written: {e.strerror or e}")
