@@ -22,7 +22,8 @@ The Muon part, per matrix, with ``g`` the clipped gradient, ``m`` = ``muon_momen
     b = m b + g                       optax.trace(m, nesterov)        [state: one buffer per matrix]
     u = g + m b  (nesterov) | b
     u = (1 - m) u                     optax.scale(1 - m)
-    O = NS_k(u) in muon_ns_dtype      optax.contrib's orthogonalize_via_newton_schulz (frobenius)
+    O = NS_k(u) in muon_ns_dtype      optax.contrib's orthogonalize_via_newton_schulz (frobenius); in bf16 the
+                                      same iteration at torch's rounding points (difference 8)
     O = s(shape) O                    optax.contrib's scale_by_shape
     p -= lr_t (O + wd p)              optax.add_decayed_weights, optax.scale_by_learning_rate
 
@@ -34,8 +35,8 @@ ways no argument changes. Each difference, and how it is bridged here:
    ``m mu/(1-m^(t+1)) + (1-m) g/(1-m^t)``, which is another *direction* in the first steps. optax's ``trace`` (the
    undamped buffer ``b = buf / (1-m)``) times ``1 - m`` is torch's vector exactly: ``(1-m)(g + m b) = (1-m) g + m buf``.
 2. *The normalisation's eps*. torch divides by ``max(|u|_F, 1e-7)``, optax by ``|u|_F + eps``: optax's eps shrinks
-   every update by the relative amount eps / |u|_F (with eps = 1e-7 that is 6% on the tiny test model's key block,
-   whose momentum has |u|_F ~ 1.5e-6), torch's floor does nothing once |u|_F >= 1e-7. So optax's eps is set to
+   every update by the relative amount eps / |u|_F (with optax's default eps = 1e-8 that is 0.7% on the tiny test
+   model's key block, whose momentum has |u|_F ~ 1.5e-6; 6% at 1e-7), torch's floor does nothing once |u|_F >= 1e-7. So optax's eps is set to
    ``NS_EPS`` = 1e-30 (still > 0: a zero matrix stays 0, not NaN), which makes optax's ``u / (|u| + eps)`` equal
    torch's ``u / max(|u|, 1e-7)`` for every |u|_F >= 1e-7; below that (a matrix whose momentum is < 1e-7 in norm)
    torch shrinks the update and optax does not. The ``1 - m`` above keeps |u| at torch's scale, so that this
@@ -55,6 +56,15 @@ ways no argument changes. Each difference, and how it is bridged here:
 7. *Routing*. optax.contrib.muon sends every 2-D leaf to Muon (wte and wpe too) unless given dimension numbers;
    here :func:`muon_labels` names the four block matrices, passed to ``optax.partition`` (what optax.contrib.muon
    builds on).
+8. *bf16 Newton-Schulz's roundings*. optax casts the coefficients to the iteration's dtype, and in bf16 that is
+   another polynomial: (3.4445, -4.7750, 2.0315) becomes (3.4375, -4.78125, 2.03125); and it rounds every product,
+   scaled product and sum to bf16 separately, where ``a X`` and ``B X`` nearly cancel. torch's iteration is two
+   ``addmm``s per step that take the exact coefficients, accumulate ``beta M + alpha P Q`` in fp32 and round once.
+   optax's iteration in bf16 measured 3-4x torch's distance from a float64 Newton-Schulz (GPT-2 shapes), and no
+   argument of optax's changes where it rounds. So in bf16 (only) jaxgpt runs :func:`newton_schulz_bf16`: the same
+   iteration written with torch's rounding points (bf16 operands, fp32 accumulation and coefficients, one rounding
+   per ``addmm``, the norm floor ``NS_NORM_FLOOR`` as torch's ``clamp``), 0.99-1.02x torch's distance. fp32 and
+   float64 use optax's function, whose coefficient cast is exact to 1e-7 there.
 
 optax 0.2.8 does not re-export ``orthogonalize_via_newton_schulz`` and ``scale_by_shape`` from ``optax.contrib``; they
 are taken from ``optax.contrib._muon``, the module ``optax.contrib.muon`` is made of. ``tests/test_optim.py`` checks
@@ -76,6 +86,7 @@ MUON_MATRIX = re.compile(r"^h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_
 QKV = re.compile(r"^h\.\d+\.attn\.c_attn\.kernel$")
 NS_DTYPE = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64}
 NS_EPS = 1e-30  # optax's eps in |u|_F + eps: negligible (difference 2 in the module docstring); a normal number in bf16
+NS_NORM_FLOOR = 1e-7  # torch.optim.Muon's eps: u / max(|u|_F, 1e-7) (difference 2), in the bf16 iteration
 
 
 def path_name(path: tuple) -> str:
@@ -138,19 +149,49 @@ def dimension_numbers(updates: Any) -> Any:
 
 
 def orthogonalize(x: jax.Array, cfg, dim_nums: MuonDimensionNumbers | None = None) -> jax.Array:
-    """optax's Newton-Schulz (Frobenius preconditioning) of ``x`` computed in ``cfg.muon_ns_dtype``, returned in
-    ``x``'s dtype."""
+    """The Newton-Schulz orthogonalisation (Frobenius preconditioning) of ``x`` computed in ``cfg.muon_ns_dtype``,
+    returned in ``x``'s dtype: optax's function in fp32/float64, :func:`newton_schulz_bf16` in bf16 (difference 8).
+    ``x``: (in, out), or (in, 3, out) for a split qkv (the middle axis a batch axis)."""
     dtype = NS_DTYPE[cfg.muon_ns_dtype]
     if dtype == jnp.float64 and not jax.config.jax_enable_x64:  # jax would silently compute in float32
         from jaxgpt.config import ConfigError
 
         raise ConfigError("OptimConfig.muon_ns_dtype = 'float64' needs 64-bit jax: run inside "
                           "`with jax.enable_x64(True):` (float64 is for tests), or use 'float32'")
+    if dtype == jnp.bfloat16:  # difference 8
+        return newton_schulz_bf16(x, tuple(cfg.muon_ns_coeffs), cfg.muon_ns_steps).astype(x.dtype)
     coeffs = jnp.asarray(cfg.muon_ns_coeffs, dtype)
     out = optax_muon.orthogonalize_via_newton_schulz(
         x.astype(dtype), coeffs, cfg.muon_ns_steps, "frobenius", jnp.asarray(NS_EPS, dtype),
         dim_nums or MuonDimensionNumbers(0, x.ndim - 1))
     return out.astype(x.dtype)
+
+
+def _addmm(m: jax.Array, p: jax.Array, q: jax.Array, *, beta: float, alpha: float = 1.0) -> jax.Array:
+    """torch.addmm(m, p, q, beta=beta, alpha=alpha) of bf16 matrices: ``beta m + alpha (p @ q)`` accumulated in fp32
+    with the scalars in fp32, rounded to bf16 once."""
+    f32 = jnp.float32
+    return (beta * m.astype(f32) + alpha * jnp.dot(p, q, preferred_element_type=f32)).astype(jnp.bfloat16)
+
+
+def newton_schulz_bf16(x: jax.Array, coeffs: tuple[float, float, float], steps: int) -> jax.Array:
+    """torch.optim.Muon's bf16 Newton-Schulz (``_zeropower_via_newtonschulz``) at torch's rounding points, for ``x``
+    of shape (in, out) or (in, batch, out); returns bf16. The iteration is optax's (and the speedrun's); only where it
+    rounds, and the exact coefficients, differ from optax's bf16 run of it (module docstring, difference 8)."""
+    if x.ndim == 3:  # a split qkv (in, 3, out): q, k and v one at a time
+        return jnp.moveaxis(jax.vmap(lambda b: newton_schulz_bf16(b, coeffs, steps), in_axes=1)(x), 0, 1)
+    a, b, c = coeffs
+    u = x.astype(jnp.bfloat16)
+    tall = u.shape[0] > u.shape[1]
+    if tall:  # the Gram matrix of the short side
+        u = u.T
+    norm = jnp.maximum(jnp.linalg.norm(u.astype(jnp.float32)).astype(jnp.bfloat16), jnp.bfloat16(NS_NORM_FLOOR))
+    u = (u.astype(jnp.float32) / norm.astype(jnp.float32)).astype(jnp.bfloat16)
+    for _ in range(steps):
+        gram = jnp.dot(u, u.T, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        update = _addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
+        u = _addmm(u, update, u, beta=a)  # a X + (b A + c A A) X
+    return u.T if tall else u
 
 
 def _orthogonalize_all(cfg) -> optax.GradientTransformation:

@@ -293,10 +293,12 @@ def test_tiny_muon_step_compiles_for_h100():
     assert cs.cfg.optim.name == "muon" and data["fits"]
     st = data["structure"]
     assert st["cudnn_attention_fwd"] == st["cudnn_attention_bwd"] == 2 and st["square_buffers"] == 0
-    # the model's GEMMs as with AdamW; Newton-Schulz's in bf16 (its iterate is bf16, as torch's): 2 layers x 4
-    # matrices (q, k, v one batched GEMM) x 5 steps x 3 products
-    assert set(st["gemms"]) == {"bf16 x bf16 -> f32", "bf16 x bf16 -> bf16"}, st["gemms"]
-    assert st["gemms"]["bf16 x bf16 -> bf16"] == 2 * 4 * 5 * 3
+    # the model's GEMMs as with AdamW, plus Newton-Schulz's: bf16 operands accumulated in fp32 as torch's addmm
+    # (rounded to bf16 after the coefficients are applied), 2 layers x 4 matrices (q, k, v one batched GEMM) x 5
+    # steps x 3 products
+    _, adamw = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1])
+    assert set(st["gemms"]) == set(adamw["structure"]["gemms"]) == {"bf16 x bf16 -> f32"}, st["gemms"]
+    assert st["gemms"]["bf16 x bf16 -> f32"] - adamw["structure"]["gemms"]["bf16 x bf16 -> f32"] == 2 * 4 * 5 * 3
     n_arrays, state_bytes = _state_arrays(cs)
     assert st["donated_params"] >= n_arrays and data["memory"]["alias"] >= state_bytes
 
@@ -315,5 +317,8 @@ def test_benchmark_runs_end_to_end(tmp_path):
     s = res["summary"]
     assert len(res["runs"]) == 2 + 1 + 2 and len(s["adamw_final"]) == len(s["muon_final"]) == 2
     assert s["adamw_step_ms"] > 0 and s["muon_step_ms"] > 0 and s["budget_tokens"] == 8 * 16 * 128
-    assert "| median step time" in (tmp_path / "muon.md").read_text()
+    assert set(s["update_ms"]) == {"adamw", "muon", "muon_ns_fp32"} and min(s["update_ms"].values()) > 0
+    assert s["muon_ns_fp32_step_ms"] > 0 and 0 < s["ns_matmul_flops"] < s["model_flops_per_step"]
+    md = (tmp_path / "muon.md").read_text()
+    assert "| median step time" in md and "the optimizer update alone takes" in md
     assert (tmp_path / "muon.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
