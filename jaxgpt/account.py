@@ -81,6 +81,11 @@ within 20%.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below, so a Ctrl-C during them is one line too (jaxgpt.interrupt):
+    from jaxgpt.interrupt import run_cli  # run_cli imports this file as jaxgpt.account and runs its main
+
+    run_cli("jaxgpt.account:main", "jaxgpt.account", left="nothing was written")
+
 import argparse
 import dataclasses
 import functools
@@ -600,6 +605,9 @@ class Account:
     peak_flops: float
     mesh: Mapping[str, int] | None = None  # {"data": D, "fsdp": F}; None: one device
     devices: int = 1  # D x F: every one runs batch_size sequences per micro-step
+    # per device: matmul FLOPs the optimizer adds to each step (Muon's Newton-Schulz, once per optimizer step on
+    # every device whatever the batch); not model FLOPs, so not in MFU's numerator, but they take time
+    optimizer_flops_per_step: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -608,7 +616,13 @@ class Account:
 
     @property
     def step_time_s(self) -> float:
-        return self.flops_per_step / (self.peak_flops * self.mfu)
+        """The step's model and optimizer matmul FLOPs at ``mfu`` of the peak (the assumed matmul efficiency)."""
+        return (self.flops_per_step + self.optimizer_flops_per_step) / (self.peak_flops * self.mfu)
+
+    @property
+    def model_flops_utilization(self) -> float:
+        """MFU proper: model FLOPs over the step time at the peak (below ``mfu`` when the optimizer adds work)."""
+        return self.flops_per_step / (self.peak_flops * self.step_time_s)
 
     @property
     def tokens_per_s(self) -> float:
@@ -616,7 +630,8 @@ class Account:
 
     @property
     def train_time_s(self) -> float:
-        return self.tokens * self.flops_per_token / (self.peak_flops * self.mfu * self.devices)
+        return self.tokens * self.flops_per_token / (self.peak_flops * self.mfu * self.devices) * (
+            1 + self.optimizer_flops_per_step / self.flops_per_step)
 
     @property
     def train_cost_dollars(self) -> float:
@@ -635,7 +650,9 @@ class Account:
                        per_token_training_causal_halved=self.flops_per_token_causal,
                        per_step=self.flops_per_step,
                        conventions_per_token={c.name: c.flops_per_token for c in conventions(self.config, self.seq_len)}),
-            peak_flops=self.peak_flops, mfu=self.mfu, step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
+            optimizer_flops_per_step=self.optimizer_flops_per_step,
+            peak_flops=self.peak_flops, mfu=self.mfu, model_flops_utilization=self.model_flops_utilization,
+            step_time_s=self.step_time_s, tokens_per_s=self.tokens_per_s,
             train_tokens=self.tokens, train_time_s=self.train_time_s, dollars_per_hour=self.dollars_per_hour,
             train_cost_dollars=self.train_cost_dollars, mesh=dict(self.mesh) if self.mesh else None,
             devices=self.devices,
@@ -672,14 +689,17 @@ class Account:
                 f"(causal-halved {self.flops_per_token_causal:,.0f}; 6N = {6 * p.total:,})",
                 f"  per step: {self.flops_per_step:,} ({self.flops_per_step / 1e12:,.2f} TFLOP)"
                 + (" per device" if self.devices > 1 else "")]
-        if self.optimizer == "muon":  # optimizer work: not in the model FLOPs MFU is defined on
-            from jaxgpt.flops import newton_schulz_flops
-
-            ns = newton_schulz_flops(cfg)["matmul"]
-            out.append(f"  Muon's Newton-Schulz (5 steps, q/k/v split): {ns:,} matmul FLOPs per optimizer step, "
-                       f"{ns / (self.flops_per_step * self.devices):.2%} of the step's model FLOPs (not in MFU)")
-        out += ["",
-                f"Time at {self.mfu:.0%} MFU of {self.peak_flops / 1e12:,.1f} TFLOP/s ({self.matmul_dtype} dense peak)",
+        ns = self.optimizer_flops_per_step
+        if ns:  # optimizer work: not in the model FLOPs MFU is defined on, but in the step's time
+            out.append(f"  Muon's Newton-Schulz (defaults: 5 steps, q/k/v as three matrices): {ns:,} matmul FLOPs per "
+                       f"optimizer step per device, {ns / self.flops_per_step:.2%} of its model FLOPs")
+        time_head = (f"Time at {self.mfu:.0%} MFU of {self.peak_flops / 1e12:,.1f} TFLOP/s ({self.matmul_dtype} dense "
+                     "peak)")
+        if ns:
+            time_head = (f"Time with the model's and Newton-Schulz's matmuls at {self.mfu:.0%} of "
+                         f"{self.peak_flops / 1e12:,.1f} TFLOP/s ({self.matmul_dtype} dense peak; MFU, model FLOPs "
+                         f"only: {self.model_flops_utilization:.1%})")
+        out += ["", time_head,
                 f"  step {self.step_time_s * 1e3:,.1f} ms, {self.tokens_per_s:,.0f} tokens/s"
                 + (f" on {self.devices} devices" if self.devices > 1 else ""),
                 f"  {self.tokens:,.3g} tokens: {_fmt_time(self.train_time_s)}, "
@@ -719,7 +739,17 @@ def account(config: GPTConfig, *, batch_size: int = 8, seq_len: int | None = Non
                    attention=attn, mfu=float(mfu), tokens=float(tokens), dollars_per_hour=float(price), params=params,
                    memory=mem, flops_per_token=fc.per_token()["training"],
                    flops_per_token_causal=fch.per_token()["training"], flops_per_step=fc.training_per_step,
-                   peak_flops=peak_flops(dev, mdt), mesh=dict(mesh) if mesh else None, devices=mesh_devices(mesh))
+                   peak_flops=peak_flops(dev, mdt), mesh=dict(mesh) if mesh else None, devices=mesh_devices(mesh),
+                   optimizer_flops_per_step=_optimizer_flops(config, optimizer))
+
+
+def _optimizer_flops(config: GPTConfig, optimizer: str) -> int:
+    """Matmul FLOPs an optimizer adds per step on each device: Muon's Newton-Schulz (its defaults); 0 otherwise."""
+    if optimizer != "muon":
+        return 0
+    from jaxgpt.flops import newton_schulz_flops
+
+    return newton_schulz_flops(config)["matmul"]
 
 
 # ---- formatting -------------------------------------------------------------------------------------------
@@ -896,8 +926,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n" + dtypes_table_text())
     return 0
 
-
-if __name__ == "__main__":
-    from jaxgpt.interrupt import run_cli
-
-    run_cli(main, "jaxgpt.account", left="nothing was written")

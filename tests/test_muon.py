@@ -175,6 +175,21 @@ def test_account_muon_state_and_newton_schulz_flops(params):
     assert nm > newton_schulz_flops(gpt2)["matmul"] > 0
 
 
+def test_account_time_includes_newton_schulz():
+    """Newton-Schulz takes time: at the same assumed matmul efficiency Muon's step is longer by its FLOPs' share,
+    and the MFU proper (model FLOPs only) lower; AdamW's figures are unchanged."""
+    gpt2 = GPTConfig.preset("gpt2")
+    a = acc.account(gpt2, batch_size=8, optimizer="adamw", mfu=0.4)
+    m = acc.account(gpt2, batch_size=8, optimizer="muon", mfu=0.4)
+    share = newton_schulz_flops(gpt2)["matmul"] / a.flops_per_step
+    assert a.optimizer_flops_per_step == 0 and a.model_flops_utilization == pytest.approx(0.4)
+    assert a.step_time_s == pytest.approx(a.flops_per_step / (a.peak_flops * 0.4))
+    assert m.step_time_s == pytest.approx(a.step_time_s * (1 + share))
+    assert m.train_time_s == pytest.approx(a.train_time_s * (1 + share))
+    assert m.model_flops_utilization == pytest.approx(0.4 / (1 + share))
+    assert "MFU, model FLOPs only: 32.4%" in m.table() and "Newton-Schulz" not in a.table()
+
+
 def test_newton_schulz_flops_match_xla():
     """XLA's count of jaxgpt's Newton-Schulz (the orthogonalisation alone, lowered) equals the analytic one."""
     from jaxgpt.muon import orthogonalize
