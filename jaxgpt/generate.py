@@ -37,6 +37,11 @@ after :func:`kth_largest`'s exact top-k threshold: sampling a step's token costs
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before the imports below, so a Ctrl-C during them is one line too (jaxgpt.interrupt):
+    from jaxgpt.interrupt import run_cli  # run_cli imports this file as jaxgpt.generate and runs its main
+
+    run_cli("jaxgpt.generate:main", "jaxgpt.generate", left="the samples printed so far are complete")
+
 import argparse
 import collections
 import functools
@@ -563,8 +568,3 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    from jaxgpt.interrupt import run_cli
-
-    run_cli(main, "jaxgpt.generate", left="the samples printed so far are complete")

@@ -1,30 +1,127 @@
 """Ctrl-C (SIGINT) in the command-line tools: one line and the conventional exit status 130, no traceback.
 
-Every CLI's ``__main__`` runs its ``main`` through :func:`run_cli`. What the tools write is all-or-nothing already
+Every CLI's ``__main__`` imports this module first (it imports nothing heavy) and runs its ``main`` through
+:func:`run_cli`, which imports the tool itself (jax, orbax, torch: a second or more) inside its handler, so a
+Ctrl-C during those imports is the same one line as a Ctrl-C later. (Not what Python imports before the
+``__main__`` runs: a package whose ``__init__`` imports its CLI, as ``jaxgpt.data``, ``jaxgpt.checkpoint`` and
+``jaxgpt.train`` do, still has a window of its own.) What the tools write is all-or-nothing already
 (shards are staged and committed with a manifest last, exports are staged beside their target and renamed into
 place, checkpoints are committed by orbax's rename), so an interrupted tool leaves nothing half-written behind;
 the line says so. A failed write (a full disk: :class:`jaxgpt.diskspace.WriteFailed`) exits 2 with its message.
-(``python -m jaxgpt.train`` handles SIGINT itself: it saves the step in hand, :mod:`jaxgpt.train.preempt`.)"""
+(``python -m jaxgpt.train`` handles SIGINT and SIGTERM itself once its run begins: it saves the step in hand,
+:mod:`jaxgpt.train.preempt`.)
+
+After the line the process ends with ``os._exit``: a normal interpreter shutdown with XLA's compiler threads still
+running can crash (SIGSEGV) after the message was printed. A Ctrl-C that library code swallowed (JAX's garbage
+collection callback would print ``Exception ignored in: ... KeyboardInterrupt`` and carry on) is delivered again
+a moment later, to the tool's own code; and the handler records every SIGINT, so a tool that returns normally
+after one exits 130 too."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a job ended by Ctrl-C
 
 
-def run_cli(main: Callable[[], int], prog: str, *, left: str = "nothing was written") -> NoReturn:
-    """``sys.exit(main())``, with Ctrl-C as ``PROG: interrupted (Ctrl-C); LEFT`` and exit status 130."""
-    from jaxgpt.diskspace import WriteFailed
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that a tool caught to say what it had already done: ``left`` replaces :func:`run_cli`'s line."""
+
+    def __init__(self, left: str):
+        super().__init__(left)
+        self.left = left
+
+
+class _SigintSeen:
+    """The SIGINT handler while a tool runs: record the signal, then raise ``KeyboardInterrupt`` as Python's
+    default handler does (so a Ctrl-C that something swallows is still known)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.raising = True
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.raising:
+            raise KeyboardInterrupt
+
+    def unraisable(self, previous: Callable[[Any], None]) -> Callable[[Any], None]:
+        """A ``sys.unraisablehook`` that, for the Ctrl-C's KeyboardInterrupt swallowed where it was raised (a
+        callback, a ``__del__``), sends SIGINT again a moment later instead of printing a traceback."""
+
+        def hook(info: Any) -> None:
+            if isinstance(info.exc_value, KeyboardInterrupt) and self.raising:
+                timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+                timer.daemon = True
+                timer.start()
+                return
+            previous(info)
+
+        return hook
+
+
+def _load(main: Callable[[], int] | str) -> Callable[[], int]:
+    """``main`` itself, or ``"package.module:function"`` imported now."""
+    if callable(main):
+        return main
+    module, _, name = main.partition(":")
+    return getattr(importlib.import_module(module), name or "main")
+
+
+def _exit_now(code: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more to say there
+            pass
+    os._exit(code)
+
+
+def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing was written") -> NoReturn:
+    """``sys.exit(main())``, with Ctrl-C as ``PROG: interrupted (Ctrl-C); LEFT`` and exit status 130.
+
+    ``main``: the tool's ``main`` or, so that its imports are covered too, ``"module:function"`` to import here
+    (a Ctrl-C during the imports is held until they are done, a second or so: an interrupted import of a compiled
+    extension fails in odd ways or crashes). A tool that catches the Ctrl-C to say what it had done raises
+    :class:`Interrupted` with the line's end."""
+    seen = _SigintSeen()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, seen)
+        sys.unraisablehook = seen.unraisable(sys.unraisablehook)
+
+    def interrupted(end: str) -> NoReturn:
+        seen.raising = False
+        print(f"{prog}: interrupted (Ctrl-C); {end}", file=sys.stderr)
+        _exit_now(EXIT_INTERRUPTED)
 
     try:
-        code = main()
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted (Ctrl-C); {left}", file=sys.stderr)
-        code = EXIT_INTERRUPTED
-    except WriteFailed as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        code = 2
+        seen.raising = False  # the imports: a Ctrl-C is counted, and honoured once they are done
+        from jaxgpt.diskspace import WriteFailed
+
+        tool = _load(main)
+        if seen.count:
+            interrupted(left)
+        seen.raising = True
+        try:
+            code = tool()
+        except WriteFailed as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            code = 2
+        seen.raising = False  # from here a Ctrl-C is only counted: the tool is done, the exit is under way
+    except KeyboardInterrupt as e:
+        interrupted(e.left if isinstance(e, Interrupted) else left)
+    except Exception:
+        if not seen.count:
+            raise
+        interrupted(left)  # an error the Ctrl-C caused (e.g. an ImportError around it): the Ctrl-C is the news
+    if seen.count:  # swallowed on the way (a library's bare except), or it came as the tool finished
+        print(f"{prog}: interrupted (Ctrl-C), but the command had already run to its end (its exit status would "
+              f"have been {code or 0})", file=sys.stderr)
+        _exit_now(EXIT_INTERRUPTED)
     sys.exit(code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +21,28 @@ def _run_dir(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     if not run_dir:
         parser.error("give the run directory: RUN_DIR or --run-dir RUN_DIR")
     return run_dir
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _interrupted_export(targets: dict[str, str | None], before: dict[str, tuple[int, int] | None]) -> Exception:
+    """What a Ctrl-C during an export leaves: each export is renamed into place whole (a new directory or file:
+    a new inode), so a target whose inode changed was completed by this command."""
+    from jaxgpt.interrupt import Interrupted
+
+    done = [f"{opt} {path}" for opt, path in targets.items() if path and _identity(path) not in (None, before[opt])]
+    if not done:
+        return KeyboardInterrupt()
+    rest = [f"{opt} {path}" for opt, path in targets.items() if path and f"{opt} {path}" not in done]
+    return Interrupted(f"the export to {' and '.join(done)} was completed" + (
+        f"; {', '.join(rest)} was not written (staged beside its target and removed; anything there before is "
+        "untouched)" if rest else ""))
 
 
 def _format_extra(extra: dict) -> str:
@@ -68,8 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return list_steps(run_dir)
         if not (args.to_hf or args.to_torch):
             parser.error("export needs --to-hf DIR and/or --to-torch FILE")
-        for kind, path in export(run_dir, to_hf=args.to_hf, to_torch=args.to_torch, step=args.step,
-                                 overwrite=args.overwrite).items():
+        targets = {"--to-hf": args.to_hf, "--to-torch": args.to_torch}
+        before = {opt: _identity(path) for opt, path in targets.items() if path}
+        try:
+            written = export(run_dir, to_hf=args.to_hf, to_torch=args.to_torch, step=args.step,
+                             overwrite=args.overwrite)
+        except KeyboardInterrupt:  # Ctrl-C: say which exports were already renamed into place
+            raise _interrupted_export(targets, before) from None
+        for kind, path in written.items():
             print(f"wrote {kind}: {path}")
         return 0
     except (ConfigError, ExportError, CheckpointDamaged, OSError, ValueError) as e:  # all name the fix

@@ -1,7 +1,6 @@
 """``python -m jaxgpt.data``."""
 
-from jaxgpt.data.cli import main
-from jaxgpt.interrupt import run_cli
+from jaxgpt.interrupt import run_cli  # first: a Ctrl-C during the tool's imports is one line too
 
-run_cli(main, "jaxgpt.data", left="no shards were committed: the staging directory is removed and the shards "
-        "already there (if any) are untouched")
+run_cli("jaxgpt.data.cli:main", "jaxgpt.data", left="no shards were committed: the staging directory is removed "
+        "and the shards already there (if any) are untouched")

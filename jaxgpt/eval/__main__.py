@@ -1,6 +1,5 @@
 """``python -m jaxgpt.eval``."""
 
-from jaxgpt.eval.cli import main
-from jaxgpt.interrupt import run_cli
+from jaxgpt.interrupt import run_cli  # first: a Ctrl-C during the tool's imports is one line too
 
-run_cli(main, "jaxgpt.eval", left="no results were written")
+run_cli("jaxgpt.eval.cli:main", "jaxgpt.eval", left="no results were written")

@@ -1,7 +1,6 @@
 """``python -m jaxgpt.train``."""
 
-import sys
+from jaxgpt.interrupt import run_cli  # first: a Ctrl-C during the imports is one line too
 
-from jaxgpt.train.cli import main
-
-sys.exit(main())
+# (once set up, the run handles SIGINT and SIGTERM itself: it saves the step in hand, jaxgpt.train.preempt)
+run_cli("jaxgpt.train.cli:main", "jaxgpt.train", left="nothing was trained or written")
