@@ -135,12 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     except WriteFailed as e:  # a full disk (a checkpoint save, metrics.jsonl, the pre-flight check)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    except InterruptedBeforeTraining as e:
-        print(f"jaxgpt.train: interrupted by {e} before the first step: nothing was trained, nothing to save",
-              file=sys.stderr)
+    except InterruptedBeforeTraining as e:  # before the first step completed: nothing trained, nothing to save
+        print(f"jaxgpt.train: {e.message}", file=sys.stderr)
+        if from_cli:  # (the run's files are closed) end now: an interpreter shutdown with XLA mid-way can crash
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.code)
         return e.code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # (train() not called from the main thread: no signal handlers of its own)
+        print("jaxgpt.train: interrupted (Ctrl-C); the checkpoints already saved are intact", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as e:
         why = write_failure(e)

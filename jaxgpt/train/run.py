@@ -68,6 +68,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         run = Run.set_up(cfg, preemption=preemption)
         try:
             run.resume()
+            run.note_untrained()  # a signal before the first step: names the checkpoint there is to resume from
             run.check_disk_space()
             run.announce()
             run.step_loop()
@@ -266,8 +267,6 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         debug_sleep = float(os.environ.get("JAXGPT_DEBUG_STEP_SLEEP", "0"))  # a test kills a run mid-way
         step, first = self.start_step, self.start_step + 1
         self.t_mark = time.perf_counter()
-        if self.preemption is not None:
-            self.preemption.start_loop()  # a signal now stops after the step in hand, saved (between_steps)
         while step < cfg.max_steps:
             step += 1
             if debug_sleep:
@@ -292,6 +291,10 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
                     step = self.recover(verdict)  # the checkpoint rolled back to (or raises)
                     first = step + 1
                     continue
+            if self.preemption is not None and self.preemption.mode == "raise" and not self.pending:
+                # a step has completed (synced): a signal now stops after the step in hand, saved (between_steps);
+                # until here it ended the run at once, with nothing trained to lose (jaxgpt.train.preempt)
+                self.preemption.start_loop()
             if due["eval"]:
                 self.val_loss, self.val_step = self.evaluate(), step
                 self.metrics.write({"type": "eval", "step": step, "val_loss": self.val_loss})

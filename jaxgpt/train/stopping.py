@@ -12,6 +12,8 @@ kB of metadata and compresses little)."""
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 import time
 
 from jaxgpt import diskspace
@@ -46,7 +48,7 @@ class Stopping:
         p = self.preemption
         t0 = time.perf_counter()
         name = signal_name(p.signum)
-        p.start_saving(f"the save of step {step}")
+        p.start_saving(step)
         self.stopped_early = True
         previous = self.ckpts.latest_step()
         verdict = self.sync() if self.pending else None
@@ -59,15 +61,51 @@ class Stopping:
         saved = self.ckpts.latest_step() != step
         if DEBUG_SAVE_SLEEP:  # a test's room to send more signals around the save
             time.sleep(DEBUG_SAVE_SLEEP)
+        p.saving_phase("writing", committed=lambda: (self.ckpts.directory / str(step)).is_dir())  # (orbax renames)
         self.save_now(step, {"loss": self.last.get("loss"), "checked": True, "preempted": name})
         if DEBUG_SAVE_SLEEP:
             time.sleep(DEBUG_SAVE_SLEEP)
         self.ckpts.wait()
+        p.saving_phase("committed")
         since = "" if previous is None else f" (the previous checkpoint was step {previous})"
         what = (f"saved checkpoint step {step} in {time.perf_counter() - t0:.1f} s{since}" if saved
                 else f"checkpoint step {step} was already saved")
-        raise Preempted(f"{name}: stopped after step {step}; {what}, in {self.ckpts.directory}. Resume with the same "
-                        f"command (resume: auto continues from step {step}, bit for bit).", p.signum)
+        raise Preempted(f"{name}: stopped after step {step}; {what}, in {self.ckpts.directory}. "
+                        f"{self.resume_hint(step)}", p.signum)
+
+    def resume_hint(self, step: int) -> str:
+        """How to continue from checkpoint ``step``: the same command, unless it says ``resume: never`` (which
+        refuses a run directory that holds checkpoints): then that command with ``--resume=auto``."""
+        if self.cfg.resume != "never":
+            return f"Resume with the same command (resume: {self.cfg.resume} continues from step {step}, bit for bit)."
+        argv = _cli_argv()
+        if argv is None:
+            how = "the same call with resume='auto'"
+        else:
+            kept, skip = [], False
+            for a in argv:  # the command without its --resume=never / --resume never
+                if skip or a.startswith("--resume="):
+                    skip = False
+                    continue
+                if a == "--resume":
+                    skip = True
+                    continue
+                kept.append(a)
+            how = "`" + shlex.join(["python", "-m", "jaxgpt.train", *kept, "--resume=auto"]) + "`"
+        return (f"Resume with {how} (resume: never refuses a run directory that holds checkpoints; auto continues "
+                f"from step {step}, bit for bit).")
+
+    def note_untrained(self) -> None:
+        """After resuming, before the first step: what a signal from now until the first step completes leaves
+        (the newest checkpoint, or none), for :class:`~jaxgpt.train.preempt.Preemption`'s message."""
+        p = self.preemption
+        if p is None:
+            return
+        if self.resumed_from is None:
+            p.untrained = "nothing was trained, and the run has no checkpoint yet; re-run the same command to start it"
+        else:
+            p.untrained = (f"nothing was trained since checkpoint step {self.resumed_from} (in {self.ckpts.directory}),"
+                           f" nothing needed saving. {self.resume_hint(self.resumed_from)}")
 
     def check_disk_space(self) -> None:
         """Before the first step: can the disk hold the checkpoints this run keeps? Refuse (:class:`LowDisk`) or,
@@ -103,3 +141,10 @@ class Stopping:
                           "run with exit status 2; the earlier checkpoints stay intact).")
         self.say(f"  warning: {msg}; training anyway (allow_low_disk): a save that runs out of space will stop "
                  "the run with exit status 2")
+
+
+def _cli_argv() -> list[str] | None:
+    """The arguments of ``python -m jaxgpt.train ARGS`` when that is this process; None when train() was called
+    from Python."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return sys.argv[1:] if spec is not None and spec.name == "jaxgpt.train.__main__" else None
