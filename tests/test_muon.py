@@ -127,6 +127,31 @@ def test_split_and_fused_differ_only_on_c_attn(params):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_stacked_orthogonalisation_is_each_matrix_on_its_own(dtype):
+    """orthogonalize_all stacks the matrices of one shape into one batched Newton-Schulz: the same result as each
+    matrix alone (a split qkv's q, k and v included), for both shapes' orientations (wide and tall)."""
+    from jaxgpt.muon import orthogonalize, orthogonalize_all
+
+    cfg = OptimConfig(name="muon", muon_ns_dtype=dtype)
+    rng = np.random.default_rng(0)
+    C = 32
+    xs = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((C, 3, C), (C, C), (C, 4 * C), (4 * C, C),
+                                                                   (C, 3, C), (C, C), (C, 4 * C), (4 * C, C))]
+    stacked = jax.jit(lambda v: orthogonalize_all(v, cfg))(xs)
+    for x, y in zip(xs, stacked, strict=True):
+        alone = orthogonalize(x, cfg) if x.ndim == 2 else jnp.stack(
+            [orthogonalize(x[:, i], cfg) for i in range(3)], axis=1)
+        assert y.shape == x.shape
+        if dtype == "float32":
+            np.testing.assert_allclose(np.asarray(y), np.asarray(alone), rtol=0, atol=1e-6)
+        else:  # a batched GEMM sums in another order: a bf16 rounding that flips to the other neighbour then
+            # propagates through the iterations, so the two are two draws of bf16 Newton-Schulz noise (~1e-2,
+            # parity_tests/tolerances.py NS_BF16_REL), not equal bits
+            d = np.linalg.norm(np.asarray(y) - np.asarray(alone)) / np.linalg.norm(np.asarray(alone))
+            assert d <= 2.5e-2, d
+
+
 def test_trains_and_reports_both_learning_rates(params):
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(0)
