@@ -249,7 +249,7 @@ def count_flops(
                      lm_head_forward=lm_head_forward_flops(config, seq_len))
 
 
-# ---- parameter counts the conventions need (account.py has the full breakdown) ----------------------------
+# ---- parameter counts the conventions need (jaxgpt.account.memory has the full breakdown) ----------------------------
 def n_params(config: GPTConfig) -> dict[str, int]:
     """Parameter counts by the definitions the conventions use (the tied lm_head counted once)."""
     C, L, b = config.n_embd, config.n_layer, int(config.bias)
