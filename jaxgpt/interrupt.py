@@ -2,9 +2,10 @@
 
 Every CLI's ``__main__`` imports this module first (it imports nothing heavy) and runs its ``main`` through
 :func:`run_cli`, which imports the tool itself (jax, orbax, torch: a second or more) inside its handler, so a
-Ctrl-C during those imports is the same one line as a Ctrl-C later. (Not what Python imports before the
-``__main__`` runs: a package whose ``__init__`` imports its CLI, as ``jaxgpt.data``, ``jaxgpt.checkpoint`` and
-``jaxgpt.train`` do, still has a window of its own.) What the tools write is all-or-nothing already
+Ctrl-C during those imports is the same one line as a Ctrl-C later; what Python imports before the ``__main__``
+runs (a package whose ``__init__`` imports its CLI, as ``jaxgpt.data``, ``jaxgpt.checkpoint`` and ``jaxgpt.train``
+do) is covered by :func:`guard_package_imports`, which ``jaxgpt``'s ``__init__`` installs. What the tools write is
+all-or-nothing already
 (shards are staged and committed with a manifest last, exports are staged beside their target and renamed into
 place, checkpoints are committed by orbax's rename), so an interrupted tool leaves nothing half-written behind;
 the line says so. A failed write (a full disk: :class:`jaxgpt.diskspace.WriteFailed`) exits 2 with its message.
@@ -24,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -64,6 +66,30 @@ class _SigintSeen:
             previous(info)
 
         return hook
+
+
+def guard_package_imports() -> None:
+    """``python -m jaxgpt.<tool>``: Python imports the tool's package (``jaxgpt.train``, ``jaxgpt.checkpoint``:
+    jax, orbax, flax; a second or so) before the tool's ``__main__`` runs and reaches :func:`run_cli`. A Ctrl-C in
+    that window ends the process with the tool's one line and 130 (nothing has been written yet). ``jaxgpt``'s
+    ``__init__`` installs this while ``sys.argv[0] == "-m"``, which is exactly that window: Python sets it to the
+    module's path once the packages are imported, and from then on the handler is Python's default (a
+    ``KeyboardInterrupt``) until the tool installs its own."""
+    argv = getattr(sys, "orig_argv", [])
+    prog = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else "jaxgpt"
+
+    def handler(signum: int, frame: Any) -> None:
+        if sys.argv[:1] != ["-m"]:  # the tool's __main__ is running: Python's default
+            raise KeyboardInterrupt
+        print(f"{prog}: interrupted (Ctrl-C) while starting; nothing was written", file=sys.stderr)
+        _exit_now(EXIT_INTERRUPTED)
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
+        delay = float(os.environ.get("JAXGPT_DEBUG_STARTUP_SLEEP", "0"))  # tests: time to signal this window
+        if delay:
+            time.sleep(delay)
 
 
 def _load(main: Callable[[], int] | str) -> Callable[[], int]:

@@ -490,3 +490,20 @@ run_cli(main, "tool")
 """, ready="working")
     assert proc.returncode == 130, err
     assert one_interrupt_line(err, "tool") == "tool: interrupted (Ctrl-C); nothing was written"
+
+
+@pytest.mark.parametrize("tool", ["train", "checkpoint", "data"])
+def test_a_ctrl_c_while_python_imports_the_tool_s_package_is_one_line(tool):
+    """`python -m jaxgpt.<tool>` imports the package (its __init__: jax, orbax) before the tool's __main__ and its
+    handler run: jaxgpt's __init__ guards that window (held open here by a debug sleep inside it)."""
+    env = dict(os.environ, JAXGPT_DEBUG_STARTUP_SLEEP="20", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-m", f"jaxgpt.{tool}", "--help"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # Python's start-up and jaxgpt's config import take ~0.1 s: the guard's sleep has begun
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 5, err
+    assert one_interrupt_line(err, f"jaxgpt.{tool}") == (f"jaxgpt.{tool}: interrupted (Ctrl-C) while starting; "
+                                                         "nothing was written")
+    assert out == ""
