@@ -218,9 +218,12 @@ policy) and shapes share one compile."""
 
 
 # ---- steps -----------------------------------------------------------------------------------------------
+FSDP_REDUCE = ("micro_step", "step")
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, micro_steps: int,
                     dropout: bool = False, mesh: Mesh | None = None,
-                    lr_schedule: optax.Schedule | None = None) -> Callable:
+                    lr_schedule: optax.Schedule | None = None, fsdp_reduce: str = "micro_step") -> Callable:
     """``step_fn(state, x, y, key) -> (new_state, metrics)``, jitted, donating ``state``.
 
     ``x, y``: int32 ``(micro_steps, micro_batch, seq)``, ``micro_batch`` divisible by the device count
@@ -230,9 +233,18 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     clipping) and ``lr`` (the learning rate this update used; from the optimizer state for optimizers built
     by :func:`jaxgpt.optim.make_optimizer`, else from ``lr_schedule``, else NaN). Token ids are not
     range-checked here: call :func:`check_batch` on host batches.
+
+    ``fsdp_reduce`` (a mesh with ``fsdp`` > 1): ``"micro_step"`` all-gathers the weights inside every micro-step
+    and reduce-scatters its gradients there (the accumulator stays sharded: 1/fsdp of the gradient memory, the
+    gradient traffic once per micro-step); ``"step"`` all-gathers them once per step and reduce-scatters the
+    summed gradients once, after the accumulation loop (PyTorch FSDP's ``no_sync``: the full weights and a full
+    fp32 gradient accumulator live on every device, 4 N bytes more each, for one gradient reduction per optimizer
+    step). Either way the ``data`` axis's all-reduce runs once per step.
     """
     if not (isinstance(micro_steps, int) and micro_steps >= 1):
         raise ValueError(f"micro_steps = {micro_steps!r}: must be an integer >= 1")
+    if fsdp_reduce not in FSDP_REDUCE:
+        raise ValueError(f"fsdp_reduce = {fsdp_reduce!r}: allowed values are {list(FSDP_REDUCE)}")
     mesh = mesh or data_mesh()
     repl, batch = replicated(mesh), batch_sharding(mesh, 3)
     axes = mesh_lib.batch_axes(mesh)
@@ -245,16 +257,22 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             """On each device: its rows of every micro-batch, all micro-steps, then one mean over devices."""
             if dropout:  # independent masks per device (the same key would repeat one mask on every device)
                 key = jax.random.fold_in(key, jax.lax.axis_index(axes))
-            loss, grads = grads_fn(graphdef, params, x, y, key, dropout=dropout,
-                                   gather=lambda p: mesh_lib.all_gather_params(p, specs))
+            if fsdp_reduce == "step":  # gathered once; full-size gradients summed locally, scattered once
+                loss, grads = grads_fn(graphdef, mesh_lib.all_gather_params(params, specs), x, y, key,
+                                       dropout=dropout)
+                grads = mesh_lib.scatter_grads(grads, specs)
+            else:  # gathered in each micro-step, whose gradient's reduce-scatter is the gather's transpose
+                loss, grads = grads_fn(graphdef, params, x, y, key, dropout=dropout,
+                                       gather=lambda p: mesh_lib.all_gather_params(p, specs))
             # equal shards: mean of means == global mean
             return mesh_lib.pmean(loss, axes, mesh), mesh_lib.mean_grads(grads, specs, mesh)
 
         # shard_map, not sharding propagation: left to itself, XLA all-reduces the gradients inside the
         # micro-step loop (once per micro-step); here each device accumulates locally and there is one
-        # all-reduce per optimizer step (FSDP: the sharded leaves' reduce-scatter, the transpose of their
-        # all-gather, does run per micro-step: it is what keeps the accumulator sharded). check_vma=False:
-        # gradients w.r.t. replicated params stay local (no implicit psum) until the explicit mean.
+        # all-reduce per optimizer step (FSDP with fsdp_reduce="micro_step": the sharded leaves' reduce-scatter,
+        # the transpose of their all-gather, runs per micro-step: it is what keeps the accumulator sharded).
+        # check_vma=False: gradients w.r.t. replicated params stay local (no implicit psum) until the explicit
+        # mean.
         return jax.shard_map(local_grads, mesh=mesh, in_specs=(specs, rows, rows, P()), out_specs=(P(), specs),
                              check_vma=False)(params, x, y, key)
 

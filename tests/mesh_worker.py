@@ -1,7 +1,7 @@
 """Worker for tests/test_sharding.py and tests/test_multihost.py: runs in a subprocess whose device count (and
 process count) is fixed before JAX starts, and prints one ``RESULT {json}`` line.
 
-    python -m tests.mesh_worker layouts  BATCHES.npy OUT_DIR 'data=4' 'data=2,fsdp=2' ...
+    python -m tests.mesh_worker layouts  BATCHES.npy OUT_DIR 'data=4' 'data=2,fsdp=2' 'fsdp=4+step' ...
     python -m tests.mesh_worker restore  SPEC_JSON
     python -m tests.mesh_worker multihost BATCHES.npy OUT_DIR   (under JAXGPT_* env; see test_multihost.py)
 
@@ -63,13 +63,13 @@ def optimizer():
     return make_optimizer(OptimConfig(**OPTIM))
 
 
-def setup(mesh):
+def setup(mesh, fsdp_reduce: str = "micro_step"):
     """(graphdef, state, optimizer, train_step) for ``mesh`` (a jaxgpt.mesh Mesh)."""
     from jaxgpt.step import init_train_state, make_train_step
 
     opt = optimizer()
     graphdef, state = init_train_state(model(), opt, mesh=mesh)
-    step = make_train_step(graphdef, opt, micro_steps=MICRO_STEPS, mesh=mesh)
+    step = make_train_step(graphdef, opt, micro_steps=MICRO_STEPS, mesh=mesh, fsdp_reduce=fsdp_reduce)
     return graphdef, state, opt, step
 
 
@@ -92,10 +92,10 @@ def abstract_state(mesh):
     return mesh_lib.abstract(shapes, mesh)
 
 
-def train(mesh, data, state=None, step=None):
+def train(mesh, data, state=None, step=None, fsdp_reduce: str = "micro_step"):
     """(state, per-step losses, per-step gradient norms) over ``data`` (global batches)."""
     if state is None:
-        _, state, _, step = setup(mesh)
+        _, state, _, step = setup(mesh, fsdp_reduce)
     losses, norms = [], []
     for x, y in data:
         state, m = step(state, x, y)
@@ -159,8 +159,9 @@ def cmd_layouts(batches_path: str, out_dir: str, *layouts: str) -> dict:
         for layout in layouts:
             t0 = time.perf_counter()
             spec, _, n = layout.partition("@")  # "fsdp=2@2": a mesh over the first 2 devices
+            spec, _, reduce = spec.partition("+")  # "fsdp=4+step": fsdp_reduce="step"
             mesh = mesh_lib.make_mesh(spec, jax.devices()[: int(n)] if n else None)
-            state, losses, norms = train(mesh, data)
+            state, losses, norms = train(mesh, data, fsdp_reduce=reduce or "micro_step")
             out["layouts"][layout] = dict(losses=losses, norms=norms, seconds=time.perf_counter() - t0,
                                           mesh=dict(mesh.shape), **sharding_report(state, mesh))
             if layout == layouts[-1] and out_dir != "-":  # checkpoint the last layout's state

@@ -208,16 +208,48 @@ def test_tiny_step_on_8_h100s_all_reduces_once_per_optimizer_step():
 
 @needs_plugin
 def test_tiny_step_on_an_fsdp_mesh_of_h100s():
-    """FSDP (data 2 x fsdp 4): the sharded weights are all-gathered for every micro-step's forward and backward;
-    gradient reductions (all-reduce or reduce-scatter) run once per optimizer step, outside the loop."""
+    """FSDP (data 2 x fsdp 4), fsdp_reduce=micro_step (the default): the sharded weights are all-gathered and their
+    gradients reduce-scattered inside every micro-step (the accumulator stays sharded); the replicated leaves'
+    gradients are all-reduced once per optimizer step, outside the loop."""
     cs, data = _compiled(TINY_BF16[0], 1, 8, TINY_BF16[1] + ("total_batch_tokens=2048", "mesh=data=2,fsdp=4"))
     assert dict(cs.mesh.shape) == {"data": 2, "fsdp": 4} and cs.micro_steps == 4
     _assert_gpu_program(cs, data, n_layer=2)
     coll = data["structure"]["collectives"]
-    assert set(coll["all-gather"]) == {1}, coll  # the weights, inside the accumulation loop
-    for op in ("all-reduce", "reduce-scatter"):
-        assert set(coll.get(op, {})) <= {0}, coll
-    assert "all-reduce" in coll or "reduce-scatter" in coll
+    assert set(coll["all-gather"]) == {1} and set(coll["reduce-scatter"]) == {1}, coll  # inside the loop
+    assert set(coll["all-reduce"]) == {0}, coll
+
+
+@needs_plugin
+def test_tiny_step_on_an_fsdp_mesh_with_one_gradient_reduction_per_step():
+    """fsdp_reduce=step: the weights are gathered once, each device sums its full gradients over the micro-steps,
+    and every gradient reduction (the sharded leaves' reduce-scatter, the rest's all-reduce) runs once per
+    optimizer step, outside the accumulation loop; nothing collective runs inside it."""
+    cs, data = _compiled(TINY_BF16[0], 1, 8, TINY_BF16[1] + ("total_batch_tokens=2048", "mesh=data=2,fsdp=4",
+                                                              "fsdp_reduce=step"))
+    assert dict(cs.mesh.shape) == {"data": 2, "fsdp": 4} and cs.micro_steps == 4
+    _assert_gpu_program(cs, data, n_layer=2)
+    coll = data["structure"]["collectives"]
+    assert {"all-gather", "reduce-scatter", "all-reduce"} <= set(coll), coll
+    assert all(set(by) == {0} for by in coll.values()), coll
+
+
+def test_async_collectives_are_read_as_collectives_and_counted_once():
+    """An async collective (XLA:GPU's "-start"/"-done" pairs) is one collective kernel: its "-start" moves the
+    data (operands in, outputs out; the operands its tuple result repeats are not counted again), its "-done"
+    is only the wait."""
+    text = """HloModule m
+
+ENTRY %main (p: f32[8,4]) -> f32[2,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  %rs = ((f32[8,4]{1,0}), f32[2,4]{1,0}) reduce-scatter-start(%p), dimensions={0}
+  %ag = (f32[8,4]{1,0}, f32[32,4]{1,0}) all-gather-start(%p), dimensions={0}
+  %agd = f32[32,4]{1,0} all-gather-done(%ag)
+  ROOT %rsd = f32[2,4]{1,0} reduce-scatter-done(%rs)
+}
+"""
+    kernels, _ = hlo.kernels(text)
+    assert [(k.opcode, k.category, k.bytes) for k in kernels] == [
+        ("reduce-scatter-start", "collectives", (32 + 8) * 4), ("all-gather-start", "collectives", (32 + 128) * 4)]
 
 
 @needs_plugin

@@ -31,6 +31,18 @@ TIMEOUT = 400  # seconds, per subprocess (generous: the CPU is shared; the runs 
 
 
 # ---- configuration and the rule (no devices needed) -----------------------------------------------------
+def test_fsdp_reduce_values():
+    from jaxgpt.step import make_train_step
+    from jaxgpt.train.config import TrainConfig
+
+    assert TrainConfig.load(None, {"fsdp_reduce": "step"}).fsdp_reduce == "step"
+    with pytest.raises(ConfigError, match=r"TrainConfig.fsdp_reduce = 'never': allowed values are \['micro_step', "
+                                          r"'step'\]"):
+        TrainConfig.load(None, {"fsdp_reduce": "never"})
+    with pytest.raises(ValueError, match="fsdp_reduce = 'never'"):
+        make_train_step(None, None, micro_steps=1, fsdp_reduce="never")
+
+
 def test_mesh_config_sizes_and_errors():
     assert MeshConfig().shape(8) == {"data": 8, "fsdp": 1}
     assert MeshConfig(fsdp=4).shape(8) == {"data": 2, "fsdp": 4}
@@ -144,15 +156,16 @@ def _one_device_reference(data: np.ndarray, ckpt: Path) -> tuple[list[float], li
 
 
 def test_layouts_match_one_device_and_checkpoints_move_between_meshes(tmp_path):
-    """4 devices: data=2,fsdp=2 and fsdp=4; 8 devices: data=2,fsdp=4 (wte (502, 32): 502 % 4 != 0, so fsdp=4
-    shards it along its 32 columns). Then checkpoints move between meshes of 8, 4, 2 and 1 devices."""
+    """4 devices: data=2,fsdp=2 (gradients reduce-scattered per micro-step, and with fsdp_reduce=step once per
+    step) and fsdp=4; 8 devices: data=2,fsdp=4 (wte (502, 32): 502 % 4 != 0, so fsdp=4 shards it along its 32
+    columns). Then checkpoints move between meshes of 8, 4, 2 and 1 devices."""
     t0 = time.perf_counter()
     np.save(tmp_path / "batches.npy", mesh_worker.batches(10))
     ck = {n: tmp_path / f"ckpt{n}" for n in (1, 4, 8)}
     for d in ck.values():
         d.mkdir()
     b = str(tmp_path / "batches.npy")
-    p4 = _start(4, "layouts", b, str(ck[4]), "data=2,fsdp=2", "fsdp=4")
+    p4 = _start(4, "layouts", b, str(ck[4]), "data=2,fsdp=2+step", "data=2,fsdp=2", "fsdp=4")
     p8 = _start(8, "layouts", b, str(ck[8]), "data=2,fsdp=4")
     try:
         one, one_norms = _one_device_reference(np.load(b), ck[1])

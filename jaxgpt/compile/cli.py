@@ -169,8 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(1, (cfg.total_batch_tokens or 0) // (found["best"] * len(devices) * cfg.seq_len))
                 say(f"  -> micro-batch {found['best']} per device ({steps} micro-step(s) per optimizer step)")
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+            try:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(data, indent=1, default=str))
+            except OSError as e:
+                raise CompileError(f"--json {args.json}: cannot write it ({e.strerror or e}); the figures above are "
+                                   "complete: give a writable path to keep them as JSON") from None
         if not report.data["fits"]:
             print(f"error: micro-batch {cs.micro_batch} does not fit: the step needs "
                 f"{report.data['memory']['total'] / GiB:.2f} GiB per device, JAX's pool on {target.name} is "

@@ -27,8 +27,10 @@ _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*->\s*.*\{\s*$")
 FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "opt-barrier",
         "partition-id", "replica-id", "all-reduce-done", "all-gather-done", "collective-permute-done", "copy-done",
         "async-done", "send-done", "recv-done", "add-dependency", "domain", "get-dimension-size", "iota"}
-COLLECTIVES = {"all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter",
-               "collective-permute", "collective-permute-start", "all-to-all", "ragged-all-to-all"}
+_SYNC_COLLECTIVES = {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+                     "ragged-all-to-all", "collective-broadcast"}
+# a collective as one instruction, or as an async pair whose "-start" moves the data (its "-done" is only the wait)
+COLLECTIVES = _SYNC_COLLECTIVES | {f"{c}-start" for c in _SYNC_COLLECTIVES}
 _NOT_FLOPS = FREE | {"broadcast", "reshape", "transpose", "slice", "dynamic-slice", "dynamic-update-slice", "copy",
                      "concatenate", "pad", "convert", "gather", "scatter", "reverse", "select", "bitcast-convert"}
 
@@ -183,7 +185,7 @@ class Rollup:
                 for c in ins.called():
                     self._walk(c, times, loop_depth)
                 continue
-            if ins.opcode in FREE:
+            if ins.opcode in FREE or ins.opcode.endswith("-done"):  # async "-done": the wait, no data moved
                 continue
             self.kernels.append(self._kernel(comp, ins, times, loop_depth))
 
@@ -215,6 +217,9 @@ class Rollup:
 
     def _result_bytes(self, comp: str, ins: Instr) -> float:
         shapes = ins.shapes
+        if ins.opcode.endswith("-start") and len(shapes) > len(ins.operands):
+            # an async collective's result is (its operands, its outputs[, scratch]): the operands are not written
+            shapes = shapes[len(ins.operands):]
         if ins.opcode == "custom-call":  # library workspaces (u8/s8 scratch) are not data
             shapes = [a for a in shapes if a.dtype not in ("u8", "s8")]
         if ins.opcode == "fusion":

@@ -92,14 +92,18 @@ def compile_train_step(cfg: TrainConfig, devices: list, *, micro_batch: int | No
         micro_steps = cfg.micro_steps(n)
     except ConfigError as e:
         raise CompileError(str(e)) from None
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    try:
+        mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    except ConfigError as e:
+        raise CompileError(f"{e} (compiling for --devices {n}: give a mesh of {n} devices, or --devices to match "
+                           "the mesh)") from None
     policy = resolve_policy(cfg, "gpu" if devices[0].platform in ("gpu", "cuda", "rocm") else devices[0].platform)
     optimizer = make_optimizer(cfg.optim)
     graphdef, state, model_cfg = _abstract_state(cfg, policy, optimizer, mesh)
     if cfg.seq_len > model_cfg.block_size:
         raise CompileError(f"seq_len = {cfg.seq_len} is longer than the model's block_size {model_cfg.block_size}")
     step_fn = step_lib.make_train_step(graphdef, optimizer, micro_steps=micro_steps, dropout=model_cfg.dropout > 0,
-                                       mesh=mesh)
+                                       mesh=mesh, fsdp_reduce=cfg.fsdp_reduce)
     batch = step_lib.batch_sharding(mesh, 3)
     tokens = jax.ShapeDtypeStruct((micro_steps, rows, cfg.seq_len), jnp.int32, sharding=batch)
     key = jax.eval_shape(lambda: jax.random.key(0))

@@ -75,6 +75,9 @@ class TrainConfig:
     wandb: WandbConfig = WandbConfig()  # --wandb: Weights & Biases tracking (jaxgpt.train.wandb_log)
     # ---- devices and processes --------------------------------------------------------------------------
     mesh: MeshConfig = MeshConfig()  # data x fsdp axis sizes (-1: the rest); default all devices data parallel
+    # fsdp > 1: reduce-scatter the gradients per micro-step (sharded accumulator) or once per step (full weights
+    # and a full gradient accumulator per device: 4 N bytes more each); jaxgpt.step.make_train_step
+    fsdp_reduce: Literal["micro_step", "step"] = "micro_step"
     distributed: DistributedConfig = DistributedConfig()  # multi-process settings; unset: $JAXGPT_* / SLURM
 
     def __post_init__(self) -> None:
@@ -93,6 +96,7 @@ class TrainConfig:
         for field in ("spike_loss_factor", "spike_grad_norm_factor"):
             check(field, getattr(self, field) == 0 or getattr(self, field) > 1, "must be 0 (off) or a factor > 1")
         check("spike_window", self.spike_window >= 1, "must be an integer >= 1")
+        check("fsdp_reduce", self.fsdp_reduce in ("micro_step", "step"), "allowed values are ['micro_step', 'step']")
         check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
         check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
         check("skip_batches", self.skip_batches >= 0, "must be an integer >= 0")

@@ -219,7 +219,8 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         del model
         self.saved_config = {**cfg.to_dict(), "model": to_dict(self.model_cfg)}
         self.train_step = step_lib.make_train_step(self.graphdef, optimizer, micro_steps=self.micro_steps,
-                                                   dropout=self.model_cfg.dropout > 0, mesh=self.mesh)
+                                                   dropout=self.model_cfg.dropout > 0, mesh=self.mesh,
+                                                   fsdp_reduce=cfg.fsdp_reduce)
         self.eval_step = step_lib.make_eval_step(self.graphdef, mesh=self.mesh)
         self.rng = jax.random.key(cfg.seed)
 
