@@ -148,6 +148,7 @@ def main(argv=None) -> int:
 
     results: dict[str, dict] = {}
     t_start = time.perf_counter()
+    git = git_rev()  # at the start: the code this run imported (the tree may change while it runs)
 
     def do(cfg, seed):
         t0 = time.perf_counter()
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
         target_met=bool(all(x is not None and x <= 0.75 for x in ratios) and m_step / a_step - 1.0 <= 0.10),
     )
     res = dict(summary=summary, runs=results, args={k: str(v) for k, v in vars(args).items()}, cpu=cpu_info(),
-               versions=versions(), git=git_rev(), model=dict(n_layer=gcfg.n_layer, n_head=gcfg.n_head,
+               versions=versions(), git=git, model=dict(n_layer=gcfg.n_layer, n_head=gcfg.n_head,
                                                              n_embd=gcfg.n_embd, seq=args.seq),
                seconds=time.perf_counter() - t_start)
     res["command"] = "python -m benchmarks.muon " + " ".join(argv if argv is not None else sys.argv[1:])
