@@ -93,7 +93,7 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
     if spec.get("ce_chunk_elements"):  # the A/B of the fused loss's chunk size (read when the step is traced)
         from jaxgpt import ops
 
-        ops.CE_CHUNK_ELEMENTS = int(spec["ce_chunk_elements"])
+        ops.CE_CHUNK_ELEMENTS_GPU = int(spec["ce_chunk_elements"])  # what the GPU program's chunks read
     policy = Policy.named(precision, **spec.get("policy", {}))
     step, holder, sources = impl.jax_fixed_batch_step(cfg, policy, init, x, y)
 
