@@ -151,18 +151,23 @@ def describe_error(e: BaseException) -> str:
 
 
 ABANDONED_READ = "_read_array_index_and_device_put"  # orbax's coroutine that reads one array
+# orbax's coroutine that writes one array's fragments: when a save fails (a full disk), the first failure reaches
+# the save's future and is reported (Checkpoints.check); its sibling writes that failed too are never retrieved
+ABANDONED_WRITE = "async_serialize_from_host"
+ABANDONED = (ABANDONED_READ, ABANDONED_WRITE)
 
 
 def _from_abandoned_read(exc: BaseException | None, text: str = "") -> bool:
-    """Whether a report concerns one of orbax's abandoned array reads: its text names the read coroutine, or one
-    of the exception's traceback frames (through its causes) is that coroutine."""
-    if ABANDONED_READ in text:
+    """Whether a report concerns one of orbax's abandoned array reads or writes (the failure itself is reported
+    once, by the restore or the save): its text names the coroutine, or one of the exception's traceback frames
+    (through its causes) is that coroutine."""
+    if any(name in text for name in ABANDONED):
         return True
     seen = 0
     while exc is not None and seen < 8:
         tb = exc.__traceback__
         while tb is not None:
-            if tb.tb_frame.f_code.co_name == ABANDONED_READ:
+            if tb.tb_frame.f_code.co_name in ABANDONED:
                 return True
             tb = tb.tb_next
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
@@ -170,7 +175,8 @@ def _from_abandoned_read(exc: BaseException | None, text: str = "") -> bool:
 
 
 class _AbandonedReadFilter(logging.Filter):
-    """asyncio logs "Task/Future exception was never retrieved" for a read that failed after orbax gave up on it."""
+    """asyncio logs "Task/Future exception was never retrieved" for a read that failed after orbax gave up on it,
+    and for the sibling writes of a failed save."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -183,14 +189,15 @@ def quiet_abandoned_reads() -> None:
     "exception was never retrieved" for them, and TensorStore's threads may report "Event loop is closed" for
     reads that finish after orbax closed its loop, possibly before the failure itself reaches the reading thread.
     The failure is reported (as :class:`CheckpointDamaged`): drop exactly those reports, pass every other one on.
-    Installed once, before any restore."""
+    The same for a failed save's sibling writes (a full disk fails several at once; the first is reported by
+    :meth:`Checkpoints.check`). Installed once, before any restore or save."""
     previous = sys.unraisablehook
     if getattr(previous, "_jaxgpt_quiet", False):
         return
 
     def hook(unraisable: Any) -> None:
         obj, exc = getattr(unraisable, "object", None), getattr(unraisable, "exc_value", None)
-        if getattr(obj, "__qualname__", "").startswith(ABANDONED_READ) or _from_abandoned_read(exc, repr(obj)):
+        if getattr(obj, "__qualname__", "").startswith(ABANDONED) or _from_abandoned_read(exc, repr(obj)):
             return  # the abandoned read itself (a coroutine, or a task wrapping it)
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
             return  # TensorStore finishing an abandoned read after orbax closed its event loop
