@@ -82,7 +82,7 @@ def guard_package_imports() -> None:
         if sys.argv[:1] != ["-m"]:  # the tool's __main__ is running: Python's default
             raise KeyboardInterrupt
         print(f"{prog}: interrupted (Ctrl-C) while starting; nothing was written", file=sys.stderr)
-        _exit_now(EXIT_INTERRUPTED)
+        exit_now(EXIT_INTERRUPTED)
 
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is \
             signal.default_int_handler:
@@ -100,7 +100,9 @@ def _load(main: Callable[[], int] | str) -> Callable[[], int]:
     return getattr(importlib.import_module(module), name or "main")
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
+    """Flush stdout and stderr, then end the process with ``code`` at once (``os._exit``: no interpreter shutdown,
+    which can crash with XLA's threads mid-way; what jaxgpt writes is safe against a kill at any moment)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -124,7 +126,7 @@ def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing wa
     def interrupted(end: str) -> NoReturn:
         seen.raising = False
         print(f"{prog}: interrupted (Ctrl-C); {end}", file=sys.stderr)
-        _exit_now(EXIT_INTERRUPTED)
+        exit_now(EXIT_INTERRUPTED)
 
     try:
         seen.raising = False  # the imports: a Ctrl-C is counted, and honoured once they are done
@@ -149,5 +151,5 @@ def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing wa
     if seen.count:  # swallowed on the way (a library's bare except), or it came as the tool finished
         print(f"{prog}: interrupted (Ctrl-C), but the command had already run to its end (its exit status would "
               f"have been {code or 0})", file=sys.stderr)
-        _exit_now(EXIT_INTERRUPTED)
+        exit_now(EXIT_INTERRUPTED)
     sys.exit(code)

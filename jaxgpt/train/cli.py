@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except InterruptedBeforeTraining as e:  # before the first step completed: nothing trained, nothing to save
         print(f"jaxgpt.train: {e.message}", file=sys.stderr)
         if from_cli:  # (the run's files are closed) end now: an interpreter shutdown with XLA mid-way can crash
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(e.code)
+            from jaxgpt.interrupt import exit_now
+
+            exit_now(e.code)
         return e.code
     except KeyboardInterrupt:  # (train() not called from the main thread: no signal handlers of its own)
         print("jaxgpt.train: interrupted (Ctrl-C); the checkpoints already saved are intact", file=sys.stderr)

@@ -46,6 +46,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from jaxgpt.interrupt import exit_now
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STEP_KEY = "jaxgpt/preemption/step/"  # + "<step>/<process index>": the signal that process has received (0: none)
 HANDLER_GRACE_S = 0.5  # before the first step: the main thread's handler's time to act before the watcher does
@@ -154,7 +156,7 @@ class Preemption:
             with self._lock:
                 if self._raised is not None and self.mode == "raise" and not self._closed:
                     self.say(f"jaxgpt.train: {self.untrained_message(self._raised)}")
-                    _flush_and_exit(exit_code(self._raised))
+                    exit_now(exit_code(self._raised))
         (self._unraisablehook or sys.__unraisablehook__)(info)
 
     def untrained_message(self, signum: int) -> str:
@@ -199,7 +201,7 @@ class Preemption:
             if self.mode != "raise" or self._closed:
                 return
             self.say(f"jaxgpt.train: {self.untrained_message(self._raised or signum)}")
-            _flush_and_exit(exit_code(self._raised or signum))
+            exit_now(exit_code(self._raised or signum))
 
     def _handle(self, signum: int, frame: Any) -> None:
         with self._lock:  # (not while the watcher is ending the process)
@@ -215,7 +217,7 @@ class Preemption:
             return
         if self.count >= 3:
             self.say(f"jaxgpt.train: {name} a third time: {self._abandoning()}")
-            _flush_and_exit(exit_code(self.signum))
+            exit_now(exit_code(self.signum))
         if self.mode != "saving":
             self.say(f"jaxgpt.train: {name} again: the step in hand is being finished and saved; a third signal "
                      "exits at once (the earlier checkpoints stay intact)")
@@ -246,7 +248,7 @@ class Preemption:
         with self._lock:
             if self._raised is not None:  # the signal's exception was swallowed (a library's callback): end here
                 self.say(f"jaxgpt.train: {self.untrained_message(self._raised)}")
-                _flush_and_exit(exit_code(self._raised))
+                exit_now(exit_code(self._raised))
             self.mode = "flag"
 
     def start_saving(self, step: int) -> None:
@@ -299,15 +301,6 @@ class Preemption:
                      f"{signal_name(self.signum)}: stopping with it after step {step}")
         self._stop = step
         return step
-
-
-def _flush_and_exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
 
 
 def _client() -> Any:
