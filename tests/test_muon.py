@@ -247,10 +247,9 @@ def test_resuming_adamw_as_muon_is_refused_with_the_fix():
 @pytest.mark.slow
 def test_cli_muon_run_sigkill_resume_bit_identical(tmp_path, tmp_path_factory):
     import os
-    import signal
     import subprocess
-    import time
 
+    from tests.runs import checkpoint_then_two_steps, sigkill_when
     from tests.test_train import REPO, losses, read_metrics, run, train_cmd
 
     cache = tmp_path_factory.mktemp("xla_cache_muon")
@@ -267,21 +266,7 @@ def test_cli_muon_run_sigkill_resume_bit_identical(tmp_path, tmp_path_factory):
     slow = {**env, "JAXGPT_DEBUG_STEP_SLEEP": "0.25"}
     p = subprocess.Popen(train_cmd(out, *muon), cwd=REPO, env=slow, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    try:
-        while time.monotonic() < deadline and p.poll() is None:
-            done = [r["step"] for r in read_metrics(out) if r["type"] == "train"] if out.exists() else []
-            saved = [int(q.name) for q in (out / "checkpoints").glob("[0-9]*") if q.name.isdigit()] \
-                if (out / "checkpoints").exists() else []
-            if saved and done and max(done) >= min(saved) + 2:
-                break
-            time.sleep(0.05)
-        assert p.poll() is None, p.stderr.read()[-2000:]
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    sigkill_when(p, checkpoint_then_two_steps(out))
     assert max(r["step"] for r in read_metrics(out) if r["type"] == "train") < 12
     resumed = run(train_cmd(out, "--resume=must", *muon), env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

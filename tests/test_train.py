@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -21,6 +20,7 @@ import yaml
 
 from jaxgpt.config import PRESETS, ConfigError
 from jaxgpt.train import DEFAULT_CONFIG, TrainConfig, main, parse_args, read_metrics
+from tests.runs import checkpoint_then_two_steps, sigkill_when
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -154,21 +154,7 @@ def test_sigkill_then_resume_repeats_the_losses_bit_for_bit(tmp_path, reference_
     slow = {**run_env, "JAXGPT_DEBUG_STEP_SLEEP": "0.25"}  # test hook: room to kill it mid-run
     proc = subprocess.Popen(train_cmd(out), cwd=REPO, env=slow, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            done = [r["step"] for r in read_metrics(out) if r["type"] == "train"] if out.exists() else []
-            saved = [int(p.name) for p in (out / "checkpoints").glob("[0-9]*") if p.name.isdigit()] \
-                if (out / "checkpoints").exists() else []
-            if saved and done and max(done) >= min(saved) + 2:  # a checkpoint exists and the run went on
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_when(proc, checkpoint_then_two_steps(out))  # a checkpoint exists and the run went on
     assert proc.returncode == -signal.SIGKILL
     assert not (out / "summary.json").exists()
     killed_at = max(r["step"] for r in read_metrics(out) if r["type"] == "train")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from jaxgpt.train import main, parse_args, read_metrics
+from tests.runs import saved_steps, sigkill_when, trained_steps
 from jaxgpt.train.wandb_log import (STATE_FILE, WandbConfig, WandbTracker, history_steps, offline_last_step,
                                     record_to_wandb, wandb_file_records)
 
@@ -139,19 +139,7 @@ def test_sigkill_then_resume_gives_w_and_b_every_step_of_metrics_jsonl_once(tmp_
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXGPT_DEBUG_STEP_SLEEP": "0.3"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxgpt.train", *args, "--max_steps=40"], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 180
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            done = [r["step"] for r in read_metrics(out) if r["type"] == "train"] if out.exists() else []
-            if done and max(done) >= 13 and (out / "checkpoints" / "10").exists():
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    sigkill_when(proc, lambda: max(trained_steps(out), default=0) >= 13 and 10 in saved_steps(out))
     (killed_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     size = -1
     while size != killed_file.stat().st_size:  # W&B's service (a child process) has exited: the file is final
