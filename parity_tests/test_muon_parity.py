@@ -8,7 +8,7 @@ hard-codes bf16; the swap keeps every other line of torch's Muon) for (b) and (c
     (jaxgpt's <= ``NS_BF16_VS_TORCH`` x torch's), fp32 jaxgpt within ``NS_FP32_REL`` of float64;
 (b) optimizer steps from the same grads and state, both parts;
 (c) 20 train steps through ``make_train_step`` against torch_ref's loop: bf16 within the bound that torch's own
-    bf16 noise (against the referee, measured in the same run) gives, as (a) shows both sides' noise alike; fp32
+    bf16 noise (against the referee, its envelope over the same run) gives, as (a) shows both sides' noise alike; fp32
     against the float64 referee within ``MUON_TRAIN_FP32_LOSS_REL``;
 (d) routing on both sides;
 (e) gradient accumulation (here) and data-parallel / FSDP meshes (``test_muon_on_meshes``, slow) give the same step.
@@ -38,7 +38,7 @@ from torch_ref import train as ref_train
 
 from conftest import on_device
 from test_train_parity import CFG, MICRO_STEPS, SEQ, batches, build, jax_device, torch_model, without_key_bias
-from tolerances import (LOSS_FP32_REL, MUON_ADAMW_PART_REL, MUON_STEP_FP32_REL, MUON_TRAIN_FP32_LOSS_REL, NS_BF16_REL,
+from tolerances import (MUON_ADAMW_PART_REL, MUON_STEP_FP32_REL, MUON_TRAIN_FP32_LOSS_REL, NS_BF16_REL,
                         NS_BF16_VS_TORCH, NS_FP32_REL, TRAIN_LOSS_ABS, TRAIN_PARAM_REL, muon_bf16_loss_bound)
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -209,8 +209,9 @@ def jax_train(model, cfg, data, device, micro_steps=MICRO_STEPS):
 
 def test_muon_20_steps_bf16_newton_schulz(device, monkeypatch):
     """The default config (Newton-Schulz in bf16 on both sides): losses within the bound that torch's own bf16 noise,
-    measured in the same run against a float64-Newton-Schulz referee, gives; a 10% larger Muon lr on the jaxgpt
-    side must break that bound (it has teeth)."""
+    measured over the run against a float64-Newton-Schulz referee, gives (its envelope, not its running maximum:
+    tolerances.py), both from torch's bf16 losses and from the referee's; a 10% larger Muon lr on the jaxgpt side
+    must break that bound (it has teeth)."""
     data = batches(20)
     model = build()
     jax_losses, lrs, _ = jax_train(model, TRAIN_CFG, data, device)
@@ -222,13 +223,14 @@ def test_muon_20_steps_bf16_newton_schulz(device, monkeypatch):
     assert jax_losses[-1] < jax_losses[0] - 0.1  # it learns
     bounds = muon_bf16_loss_bound(ref_losses, referee)
     diffs = [abs(a - b) for a, b in zip(jax_losses, ref_losses, strict=True)]
-    noise = np.maximum.accumulate([abs(a - b) for a, b in zip(ref_losses, referee)])
-    ratio = max([d / n for d, n, r in zip(diffs, noise, ref_losses) if n > LOSS_FP32_REL * r] or [0.0])
-    print(f"\nmuon bf16 20 steps [{device}]: max loss |diff| {max(diffs):.2e}, torch's bf16 noise {noise[-1]:.2e}, "
-          f"worst |diff| / noise (above the fp32 floor) {ratio:.2f}, bound at the last step "
-          f"{bounds[-1]:.2e}; "
-          f"loss {jax_losses[0]:.3f} -> {jax_losses[-1]:.3f}")
+    from_referee = [abs(a - b) for a, b in zip(jax_losses, referee, strict=True)]
+    envelope = max(abs(a - b) for a, b in zip(ref_losses, referee))
+    print(f"\nmuon bf16 20 steps [{device}]: max loss |diff| {max(diffs):.2e}, jaxgpt's from the referee "
+          f"{max(from_referee):.2e}, torch's bf16 noise (envelope) {envelope:.2e}, ratios "
+          f"{max(diffs) / max(envelope, 1e-12):.2f} / {max(from_referee) / max(envelope, 1e-12):.2f}, bound "
+          f"{bounds[-1]:.2e}; loss {jax_losses[0]:.3f} -> {jax_losses[-1]:.3f}")
     assert all(d <= b for d, b in zip(diffs, bounds)), list(zip(diffs, bounds))
+    assert all(d <= b for d, b in zip(from_referee, bounds)), list(zip(from_referee, bounds))
     wrong, _, _ = jax_train(model, TRAIN_CFG.replace(muon_lr=1.1 * TRAIN_CFG.muon_lr), data, device)
     assert any(abs(a - b) > c for a, b, c in zip(wrong, ref_losses, bounds)), "the bound cannot tell a 10% lr error"
 
