@@ -277,17 +277,27 @@ def test_account_memory_model_against_xla_gpu(request):
 
 
 @needs_plugin
-def test_account_cli_prints_the_compiled_figure_beside_its_own():
-    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--model", "tiny", "--batch", "4", "--seq-len", "64",
-                        "--device", "h100", "--compiled"], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "XLA's memory_analysis() of the step compiled for h100" in r.stdout
-    total = next(line for line in r.stdout.splitlines() if line.startswith("total ") and "GiB" in line)
-    ratio = float(total.split()[-1])
-    assert 0.5 < ratio < 2.0, total
-    r = subprocess.run([sys.executable, "-m", "jaxgpt.account", "--model", "tiny", "--device", "cpu", "--compiled"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 2 and "unknown target 'cpu'" in r.stderr and "Traceback" not in r.stderr
+def test_compile_prints_the_accounts_memory_estimate_beside_xlas():
+    """jaxgpt.compile prints jaxgpt.account's analytic memory beside XLA's (what `python -m jaxgpt.account
+    --compiled` did before the accountant stopped importing jaxgpt.compile)."""
+    from jaxgpt.compile.cli import memory_lines
+
+    _, data = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1])
+    est, mem = data["account_memory"], data["memory"]
+    assert 0.5 < est["total"] / mem["total"] < 2.0, (est, mem)
+    lines = memory_lines(mem, est)
+    assert "jaxgpt.account's analytic estimate" in lines[0]
+    assert lines[-1].split()[0] == "total" and float(lines[-1].split()[-1]) == pytest.approx(
+        est["total"] / mem["total"], abs=0.005)
+
+
+def test_account_compiled_names_the_command_that_moved_it(capsys):
+    from jaxgpt.account.cli import main
+
+    assert main(["--model", "tiny", "--device", "h100", "--compiled"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--compiled moved to python -m jaxgpt.compile" in err
+    assert "--target h100" in err
 
 
 def test_benchmarks_gpu_compiled_section_renders_the_committed_results():

@@ -1,8 +1,10 @@
 """Resource accounting for a GPT-2 training run: parameters, memory, FLOPs, time and cost.
 
-Modules: :mod:`~jaxgpt.account.devices` (accelerators, peaks, MFU, dtype ranges), :mod:`~jaxgpt.account.memory`
-(parameters and memory per device), :mod:`~jaxgpt.account.report` (the whole account and its tables),
-:mod:`~jaxgpt.account.cli` (the command); this package re-exports their public names.
+Modules: :mod:`~jaxgpt.account.devices` (:mod:`jaxgpt.devices`' table of accelerators, peaks and MFU re-exported,
+the policy's picks, dtype ranges), :mod:`~jaxgpt.account.memory` (parameters and memory per device),
+:mod:`~jaxgpt.account.report` (the whole account and its tables), :mod:`~jaxgpt.account.cli` (the command); this
+package re-exports their public names. The account imports neither :mod:`jaxgpt.train` nor :mod:`jaxgpt.compile`
+(both read it; tests/test_imports.py).
 
 ``python -m jaxgpt.account --model gpt2 --batch 16 --precision bf16 --device h100-sxm`` prints readable
 tables; ``--json`` prints one JSON object instead. The same numbers are available as functions:

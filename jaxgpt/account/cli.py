@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -13,7 +12,7 @@ from typing import Sequence
 from jaxgpt.account.common import OPTIMIZERS, AccountError
 from jaxgpt.account.devices import DEVICES, dtype_table
 from jaxgpt.account.memory import mesh_devices
-from jaxgpt.account.report import Account, account, devices_table, dtypes_table_text
+from jaxgpt.account.report import account, devices_table, dtypes_table_text
 from jaxgpt.config import PRESETS, ConfigError, GPTConfig
 
 
@@ -59,9 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", action="store_true", help="also print the floating-point data types table")
     p.add_argument("--devices", action="store_true", help="also print the device peak table")
     p.add_argument("--conventions", action="store_true", help="also print others' FLOP conventions")
-    p.add_argument("--compiled", action="store_true",
-                   help="also compile this step for --device (a GPU, without one: JAX's CUDA plugin, "
-                        "`make gpu-compile`) and print XLA's memory figures beside the estimate")
+    p.add_argument("--compiled", action="store_true", help="moved: python -m jaxgpt.compile --config FILE --target "
+                   "DEVICE compiles the step and prints this memory estimate beside XLA's")
     return p
 
 
@@ -76,32 +74,15 @@ def _cli_mesh(args: argparse.Namespace) -> dict[str, int] | None:
     return {"data": max(cfg.data, 1), "fsdp": max(cfg.fsdp, 1)}
 
 
-def _compiled_table(acc: "Account", config: GPTConfig, args: argparse.Namespace, mesh) -> str:
-    """The estimate's memory beside XLA's memory_analysis() of the same step compiled for the device."""
-
-    from jaxgpt.gpu_env import cuda_driver_present
-
-    if "jax" not in sys.modules and not cuda_driver_present():
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # keeps the CUDA plugin loaded for a compile-only build
-    from jaxgpt.compile.cli import compiled_memory
-
-    xla = compiled_memory(config, batch_size=acc.batch_size, seq_len=acc.seq_len, precision=args.precision,
-                          optimizer=args.optimizer, grad_accum=args.grad_accum, device=args.device, mesh=mesh)
-    est = acc.memory
-    gib = 2**30
-    rows = [("arguments (params, optimizer state, batch)", est.params + est.optimizer_state, xla["argument"]),
-            ("temporary (everything else)", est.xla_temp, xla["temp"]),
-            ("total", est.total, xla["total"])]
-    lines = [f"Memory per device: this estimate beside XLA's memory_analysis() of the step compiled for "
-             f"{args.device} (python -m jaxgpt.compile; nothing ran)",
-             f"{'':<46}{'estimate':>12}{'compiled':>12}{'ratio':>8}"]
-    lines += [f"{name:<46}{a / gib:>9.2f} GiB{b / gib:>8.2f} GiB{a / b:>8.2f}" for name, a, b in rows]
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.compiled:  # the accountant sits below jaxgpt.compile (which reads it): it compiles nothing itself
+        print(f"{parser.prog}: error: --compiled moved to python -m jaxgpt.compile, which compiles a training config's "
+              f"step and prints this estimate beside XLA's memory_analysis(): python -m jaxgpt.compile --config FILE "
+              f"--target {args.device} [--micro-batch B] (e.g. --config configs/gpt2-124m.yaml --micro-batch 16)",
+              file=sys.stderr)
+        return 2
     try:
         if args.config is not None:
             config, name = GPTConfig.from_yaml(args.config), str(args.config)
@@ -133,14 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(acc.table())
-    if args.compiled:
-        from jaxgpt.compile.targets import CompileError
-
-        try:
-            print("\n" + _compiled_table(acc, config, args, mesh))
-        except (CompileError, ConfigError) as e:
-            print(f"{parser.prog}: error: --compiled: {e}", file=sys.stderr)
-            return 2
     if args.conventions:
         from jaxgpt.flops import conventions_table
 

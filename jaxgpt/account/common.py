@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from jaxgpt.config import ConfigError
+from jaxgpt.devices import GiB, MATMUL_DTYPES, DeviceError  # noqa: F401  (re-exported)
 
-GiB = 1 << 30
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
 OPTIMIZERS = (*OPTIMIZER_STATES, "muon")  # muon's state is per part: optimizer_state_elements
 PRECISIONS = ("fp32", "bf16")
-MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp8")
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
 CE_CHUNK_ELEMENTS = 1 << 26  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
 ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.ops.ATTENTION_QUERY_BLOCKS
 
-class AccountError(ConfigError):
-    """A bad argument to the accountant; the message says what is allowed."""
+AccountError = DeviceError  # a bad argument to the accountant or its device table; the message says what is allowed

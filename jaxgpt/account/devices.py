@@ -1,183 +1,26 @@
-"""Accelerators (dense peaks by matmul dtype, memory, bandwidth, price), the CPU's measured peak, MFU, and the
+"""The accountant's view of the devices: the device table of :mod:`jaxgpt.devices` (re-exported: accelerators,
+peaks by matmul dtype, the CPU's measured peak, MFU), the peak and attention a precision policy picks, and the
 floating-point formats' ranges."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import os
-import time
-from typing import Any, Mapping
 
-from jaxgpt.account.common import MATMUL_DTYPES, AccountError, GiB
+from jaxgpt.devices import (  # noqa: F401  (re-exported: jaxgpt.account's public names)
+    ALIASES,
+    DEVICES,
+    CPUPeak,
+    DeviceSpec,
+    cpu_memory_bytes,
+    device_from_kind,
+    measure_cpu_peak,
+    mfu,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+)
 
-
-# ---- devices ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """Dense peak FLOP/s by matmul dtype, memory and bandwidth of one accelerator."""
-
-    name: str
-    description: str
-    peak: Mapping[str, float | None]  # fp32 (no tensor cores), tf32, bf16, fp8; dense, not 2:4 sparse
-    memory_bytes: int
-    bandwidth_bytes_s: float | None
-    dollars_per_hour: float
-    source: str
-
-
-DEVICES: dict[str, DeviceSpec] = {
-    # NVIDIA A100 Tensor Core GPU datasheet (2021): A100 80GB SXM: FP32 19.5 TFLOPS, TF32 156 TFLOPS
-    # (312 with sparsity), BF16 312 TFLOPS (624 with sparsity), no FP8; 80GB HBM2e, 2,039 GB/s.
-    "a100-sxm-80gb": DeviceSpec(
-        "a100-sxm-80gb", "NVIDIA A100 SXM4 80GB",
-        {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp8": None},
-        80 * GiB, 2039e9, 1.79, "NVIDIA A100 datasheet"),
-    # NVIDIA H100 Tensor Core GPU datasheet: H100 SXM: FP32 67 TFLOPS, TF32 989 / BF16 1,979 / FP8 3,958
-    # TFLOPS *with sparsity*; dense = half, as in the H100 architecture whitepaper (494.7 / 989.4 / 1978.9);
-    # 80GB HBM3, 3.35 TB/s.
-    "h100-sxm": DeviceSpec(
-        "h100-sxm", "NVIDIA H100 SXM5 80GB",
-        {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp8": 1978.9e12},
-        80 * GiB, 3.35e12, 2.99, "NVIDIA H100 datasheet (sparse figures / 2) and H100 whitepaper"),
-    # Same datasheet, H100 PCIe: FP32 51 TFLOPS, TF32 756 / BF16 1,513 / FP8 3,026 TFLOPS with sparsity
-    # (dense 378 / 756 / 1513); 80GB HBM2e, 2 TB/s.
-    "h100-pcie": DeviceSpec(
-        "h100-pcie", "NVIDIA H100 PCIe 80GB",
-        {"fp32": 51e12, "tf32": 378e12, "bf16": 756e12, "fp8": 1513e12},
-        80 * GiB, 2.0e12, 2.49, "NVIDIA H100 datasheet (sparse figures / 2)"),
-    # NVIDIA H200 Tensor Core GPU datasheet: H200 SXM: FP32 67 TFLOPS, TF32 989 / BF16 1,979 / FP8 3,958
-    # TFLOPS with sparsity (same GH100 compute as H100 SXM; dense = half); 141GB HBM3e, 4.8 TB/s.
-    "h200": DeviceSpec(
-        "h200", "NVIDIA H200 SXM 141GB",
-        {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp8": 1978.9e12},
-        141 * 10**9, 4.8e12, 3.79, "NVIDIA H200 datasheet (sparse figures / 2)"),
-    # Measured on the spot by measure_cpu_peak(); memory is this machine's RAM.
-    "cpu": DeviceSpec("cpu", "this machine's CPU (GEMM probe)", {}, 0, None, 0.0, "measured: measure_cpu_peak()"),
-}
-# Prices are rough 2025 on-demand single-GPU list prices; they vary ~2x between providers: pass
-# --dollars-per-hour for your own.
-ALIASES = {"a100": "a100-sxm-80gb", "a100-sxm": "a100-sxm-80gb", "a100-80gb": "a100-sxm-80gb",
-           "h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h200-sxm": "h200"}
-_DTYPE_ALIASES = {"float32": "fp32", "f32": "fp32", "bfloat16": "bf16", "float8": "fp8",
-                  "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
-
-
-def _device_from_kind(kind: str) -> str | None:
-    k = kind.lower()
-    if "a100" in k:
-        return "a100-sxm-80gb"
-    if "h200" in k:
-        return "h200"
-    if "h100" in k:
-        return "h100-pcie" if "pcie" in k else "h100-sxm"
-    if "cpu" in k:
-        return "cpu"
-    return None
-
-
-def resolve_device(device: Any) -> str:
-    """A device table key from a name, an alias, or a ``jax.Device`` (matched on its ``device_kind``)."""
-    if not isinstance(device, str):
-        platform = getattr(device, "platform", None)
-        kind = getattr(device, "device_kind", "")
-        name = "cpu" if platform == "cpu" else _device_from_kind(str(kind))
-        if name is None:
-            raise AccountError(f"device {kind!r} is not in the peak table; valid devices are {sorted(DEVICES)}")
-        return name
-    key = device.lower().strip()
-    key = ALIASES.get(key, key)
-    if key not in DEVICES:
-        raise AccountError(f"unknown device {device!r}; valid devices are {sorted(DEVICES)} "
-                           f"(aliases: {sorted(ALIASES)})")
-    return key
-
-
-def resolve_dtype(dtype: str) -> str:
-    d = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower())
-    if d not in MATMUL_DTYPES:
-        raise AccountError(f"unknown matmul dtype {dtype!r}; valid dtypes are {list(MATMUL_DTYPES)}")
-    return d
-
-
-@dataclasses.dataclass(frozen=True)
-class CPUPeak:
-    """Measured GEMM FLOP/s of this CPU: fp32 operands, and bf16 operands with fp32 accumulation.
-    ``float(peak)`` is the fp32 figure."""
-
-    fp32: float
-    bf16: float
-    n: int
-    seconds: float
-
-    def __float__(self) -> float:
-        return self.fp32
-
-    def get(self, dtype: str) -> float:
-        return self.bf16 if dtype == "bf16" else self.fp32
-
-
-def _probe(n: int, dtype_name: str, seconds: float) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    dt = jnp.float32 if dtype_name == "fp32" else jnp.bfloat16
-    a = jax.random.normal(jax.random.key(0), (n, n), dt)
-    b = jax.random.normal(jax.random.key(1), (n, n), dt)
-    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-    f(a, b).block_until_ready()  # compile and warm up
-    best, t_end = math.inf, time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        f(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > t_end:
-            break
-    return 2.0 * n**3 / best
-
-
-@functools.lru_cache(maxsize=None)
-def measure_cpu_peak(seconds: float = 0.5, n: int = 1024) -> CPUPeak:
-    """Time ``jnp.dot`` of two (n, n) matrices (fp32 inputs, then bf16 inputs with
-    ``preferred_element_type=float32``), best of ~``seconds`` each; FLOP/s = 2 n^3 / best time.
-    Cached per process (the train loop and the benchmark harness call it repeatedly)."""
-    t0 = time.perf_counter()
-    fp32 = _probe(n, "fp32", seconds)
-    bf16 = _probe(n, "bf16", seconds)
-    return CPUPeak(fp32=fp32, bf16=bf16, n=n, seconds=time.perf_counter() - t0)
-
-
-def cpu_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def peak_flops(device: Any, dtype: str) -> float:
-    """Dense peak FLOP/s of ``device`` (a name from :data:`DEVICES`, an alias, or a ``jax.Device``) for
-    matmuls in ``dtype`` (fp32, tf32, bf16, fp8; float32/bfloat16 accepted). ``cpu`` is measured
-    (:func:`measure_cpu_peak`; tf32 means fp32 there). Raises :class:`AccountError` when the device has no
-    such mode (fp8 on A100 or CPU)."""
-    name = resolve_device(device)
-    d = resolve_dtype(dtype)
-    if name == "cpu":
-        if d == "fp8":
-            raise AccountError("device 'cpu' has no fp8 matmul peak; use fp32 or bf16")
-        return measure_cpu_peak().get(d)
-    value = DEVICES[name].peak[d]
-    if value is None:
-        have = [k for k, v in DEVICES[name].peak.items() if v is not None]
-        raise AccountError(f"device {name!r} has no {d} matmul peak; it has {have}")
-    return float(value)
-
-
-def mfu(flops_per_step: float, step_time_s: float, device: Any, dtype: str) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s (``flops_per_step / step_time_s``) over the dense peak."""
-    if step_time_s <= 0:
-        raise AccountError(f"step_time_s = {step_time_s!r}: must be > 0")
-    return flops_per_step / step_time_s / peak_flops(device, dtype)
+_device_from_kind = device_from_kind  # its name before jaxgpt.devices (benchmarks/gpu/bench.py reads it)
 
 
 def default_matmul_dtype(precision: str, device: str) -> str:

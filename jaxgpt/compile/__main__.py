@@ -11,10 +11,9 @@ does not fit.
 """
 
 import os
-import sys
 
 if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported: the plugin stays loaded for compile-only use
-    from jaxgpt.compile.cli import main
+    from jaxgpt.interrupt import run_cli  # a Ctrl-C (during the imports too) is one line and exit 130
 
-    sys.exit(main(sys.argv[1:]))
+    run_cli("jaxgpt.compile.cli:main", "jaxgpt.compile", left="nothing was written")

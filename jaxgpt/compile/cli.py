@@ -69,6 +69,34 @@ def fits(total: int, target, mem_fraction: float) -> tuple[bool, float]:
     return total <= pool * (1 - POOL_FREE), pool
 
 
+def account_memory(cs, target) -> dict[str, Any] | None:
+    """jaxgpt.account's analytic memory per device for the compiled step (None where the accountant does not model
+    the step: an optimizer or attention it has no formula for)."""
+    from jaxgpt import account
+
+    cfg, policy = cs.cfg, cs.policy
+    precision = "bf16" if policy.compute_dtype == "bfloat16" else "fp32"
+    attention = account.default_attention(precision, target.name) if policy.attention == "auto" else policy.attention
+    if cfg.optim.name not in account.OPTIMIZERS or attention not in account.ATTENTION_IMPLS:
+        return None
+    model_cfg = cfg.model if cfg.dropout is None else cfg.model.replace(dropout=cfg.dropout)
+    est = account.estimate_memory(model_cfg, batch_size=cs.micro_batch, seq_len=cfg.seq_len, precision=precision,
+                                  optimizer=cfg.optim.name, grad_accum=cs.micro_steps, attention=attention,
+                                  device=target.name, fast_kernels=policy.fast_kernels,
+                                  mesh={k: int(v) for k, v in dict(cs.mesh.shape).items()})
+    return dict(argument=est.params + est.optimizer_state, temp=est.xla_temp, total=est.total)
+
+
+def memory_lines(mem: dict[str, int], est: dict[str, Any] | None) -> list[str]:
+    """XLA's memory beside jaxgpt.account's estimate of it (what ``python -m jaxgpt.account`` prints)."""
+    if est is None:
+        return ["  (jaxgpt.account has no memory model for this optimizer or attention)"]
+    lines = [f"  jaxgpt.account's analytic estimate of the same step: {'estimate':>10}{'compiled':>10}{'ratio':>7}"]
+    for key, name in (("argument", "arguments"), ("temp", "temporary"), ("total", "total")):
+        lines.append(f"    {name:<48}{est[key] / GiB:>6.2f} GiB{mem[key] / GiB:>6.2f} GiB{est[key] / mem[key]:>7.2f}")
+    return lines
+
+
 def describe(cs, target, mem_fraction: float) -> Report:
     """The memory table, lowering, prediction of one compiled step."""
     from jaxgpt.compile import hlo, inspect, predict
@@ -84,6 +112,7 @@ def describe(cs, target, mem_fraction: float) -> Report:
     tokens = cs.micro_batch * cs.micro_steps * cfg.seq_len
     pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=fc.training_per_step, tokens=tokens)
     st = inspect.structure(text, kernels, seq_len=cfg.seq_len)
+    est = account_memory(cs, target)
     lines = [
         f"step: micro-batch {cs.micro_batch} x {cfg.seq_len} per device x {cs.n_devices} device(s), {cs.micro_steps} "
         f"micro-step(s): {cs.tokens_per_step:,} tokens per optimizer step; compute {cs.policy.compute_dtype}, "
@@ -96,6 +125,7 @@ def describe(cs, target, mem_fraction: float) -> Report:
         f"  total     {mem['total'] / GiB:8.2f} GiB   of {target.device_memory_size / GiB:.1f} GiB "
         f"({mem['total'] / target.device_memory_size:.0%}); JAX's pool at --mem-fraction {mem_fraction:g}: "
         f"{pool / GiB:.1f} GiB -> " + ("fits" if ok else "DOES NOT FIT"),
+        *memory_lines(mem, est),
         *st.lines(cfg.seq_len),
         "",
         "predicted from the compiled kernels (a roofline lower bound on time, not a measurement):",
@@ -106,7 +136,7 @@ def describe(cs, target, mem_fraction: float) -> Report:
         lines.append(f"note: {unknown_loops} loop(s) without a recorded trip count were counted once")
     data = dict(micro_batch=cs.micro_batch, micro_steps=cs.micro_steps, devices=cs.n_devices,
                 tokens_per_step=cs.tokens_per_step, seq_len=cfg.seq_len, compute=cs.policy.compute_dtype,
-                lower_s=cs.lower_s, compile_s=cs.compile_s, memory=mem, fits=ok, pool_bytes=pool,
+                lower_s=cs.lower_s, compile_s=cs.compile_s, memory=mem, account_memory=est, fits=ok, pool_bytes=pool,
                 structure=dataclasses.asdict(st), prediction=pred.to_dict(),
                 predicted_mfu=pred.mfu(target.peak_bf16), predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
     return Report(data, lines)
@@ -185,25 +215,4 @@ def main(argv: list[str] | None = None) -> int:
     except CompileError as e:
         print(f"python -m jaxgpt.compile: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("python -m jaxgpt.compile: interrupted", file=sys.stderr)
-        return 130
 
-
-def compiled_memory(model_cfg, *, batch_size: int, seq_len: int, precision: str, optimizer: str, grad_accum: int,
-                    device: str, mesh: dict[str, int] | None) -> dict[str, int]:
-    """XLA's memory_analysis() per device of the train step ``jaxgpt.account`` describes, compiled for ``device``
-    (a GPU target): what ``python -m jaxgpt.account --compiled`` prints beside its analytic figure."""
-    from jaxgpt.compile.program import compile_train_step
-    from jaxgpt.compile.targets import get_target, topology_devices
-    from jaxgpt.config import to_dict
-    from jaxgpt.train.config import TrainConfig
-
-    target = get_target(device)
-    sizes = {"data": 1, "fsdp": 1, **(mesh or {})}
-    n = sizes["data"] * sizes["fsdp"]
-    cfg = TrainConfig.from_dict(dict(
-        model=to_dict(model_cfg), precision=precision, optim=dict(name=optimizer), batch_size=batch_size * n,
-        seq_len=seq_len, total_batch_tokens=batch_size * n * seq_len * grad_accum, tensorboard=False,
-        mesh=dict(data=sizes["data"], fsdp=sizes["fsdp"])))
-    return compile_train_step(cfg, topology_devices(target, n), micro_batch=batch_size).memory()

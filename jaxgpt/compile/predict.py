@@ -41,13 +41,13 @@ class Peaks:
 
 
 def gpu_peaks(target, *, fp32_dots: str = "tf32") -> Peaks:
-    """Dense peaks of a :class:`~jaxgpt.compile.targets.GpuTarget` (jaxgpt.account's table). fp32 dots run as
+    """Dense peaks of a :class:`~jaxgpt.compile.targets.GpuTarget` (jaxgpt.devices' table). fp32 dots run as
     TF32 on tensor cores under JAX's default matmul precision; pass ``fp32_dots="fp32"`` for pinned precision."""
-    from jaxgpt import account
+    from jaxgpt.devices import peak_flops
 
-    f32 = account.peak_flops(target.name, fp32_dots)
-    return Peaks(target.name, {"bf16": account.peak_flops(target.name, "bf16"), "f16": account.peak_flops(
-        target.name, "bf16"), "f32": f32}, vector=account.peak_flops(target.name, "fp32"),
+    f32 = peak_flops(target.name, fp32_dots)
+    return Peaks(target.name, {"bf16": peak_flops(target.name, "bf16"), "f16": peak_flops(
+        target.name, "bf16"), "f32": f32}, vector=peak_flops(target.name, "fp32"),
         bandwidth=target.memory_bandwidth)
 
 

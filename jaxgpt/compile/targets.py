@@ -6,7 +6,7 @@ platform="cuda", topology="1x1xN", target_config=<GpuTargetConfig text proto>)``
 ``runtime_type == "compile_only_runtime"``; a ``Mesh`` over them lowers and compiles a jitted function exactly as
 a process on those GPUs would, minus GEMM autotuning (no GPU to time tiles on). The figures below are the ones
 XLA's own device specs record (``xla/backends/gpu/target_config/specs/{h100_sxm,h100_pcie,h200,a100_sxm_80}.txtpb``
-in openxla/xla), written out here as data; the dense bf16 peaks are jaxgpt.account's (datasheet sparse figures / 2).
+in openxla/xla), written out here as data; the dense bf16 peaks are jaxgpt.devices' (datasheet sparse figures / 2).
 The process must run with ``JAX_PLATFORMS=cpu`` (``python -m jaxgpt.compile`` sets it): with no NVIDIA driver the
 plugin's start-up check otherwise fails and JAX drops the plugin, topology included.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 
-from jaxgpt import account
+from jaxgpt import devices
 
 PLUGIN = "jax-cuda12-plugin"
 
@@ -28,7 +28,7 @@ class CompileError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
-    name: str  # jaxgpt.account.DEVICES key: its peaks and price
+    name: str  # jaxgpt.devices.DEVICES key: its peaks and price
     device_kind: str  # what jax.Device.device_kind reports on the real GPU
     compute_capability: tuple[int, int]
     core_count: int  # SMs
@@ -43,12 +43,12 @@ class GpuTarget:
 
     @property
     def peak_bf16(self) -> float:
-        return account.peak_flops(self.name, "bf16")
+        return devices.peak_flops(self.name, "bf16")
 
     @property
     def peak_fp32(self) -> float:
         """fp32 without tensor cores (the CUDA cores' FMA rate)."""
-        return account.peak_flops(self.name, "fp32")
+        return devices.peak_flops(self.name, "fp32")
 
     def target_config(self) -> str:
         """The ``stream_executor.GpuTargetConfigProto`` text that ``get_topology_desc`` takes."""
@@ -100,9 +100,9 @@ TARGETS: dict[str, GpuTarget] = {
 
 
 def get_target(name: str) -> GpuTarget:
-    key = account.ALIASES.get(name.lower(), name.lower())
+    key = devices.ALIASES.get(name.lower(), name.lower())
     if key not in TARGETS:
-        aliases = ", ".join(a for a, k in account.ALIASES.items() if k in TARGETS)
+        aliases = ", ".join(a for a, k in devices.ALIASES.items() if k in TARGETS)
         raise CompileError(f"unknown target {name!r}: choose one of {', '.join(TARGETS)} (aliases: {aliases})")
     return TARGETS[key]
 

@@ -26,18 +26,18 @@ def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_st
 
 
 def device_peak_flops(dtype: str) -> tuple[float | None, str]:
-    """Dense peak FLOP/s of one device for MFU (jaxgpt.account: a table for accelerators, a GEMM probe
+    """Dense peak FLOP/s of one device for MFU (jaxgpt.devices: a table for accelerators, a GEMM probe
     measured once per process on CPU), and where the number came from; None for a device it doesn't know."""
     import jax
 
-    from jaxgpt import account
+    from jaxgpt import devices
 
     dev = jax.local_devices()[0]
     if dev.platform == "gpu" and dtype == "float32" and jax.config.jax_default_matmul_precision in (None, "default"):
         dtype = "tf32"  # JAX runs fp32 matmuls on TF32 tensor cores unless precision is pinned
     try:
-        peak = float(account.peak_flops(dev, dtype))
-    except account.AccountError as e:  # an unknown device: no MFU, but train anyway
+        peak = float(devices.peak_flops(dev, dtype))
+    except devices.DeviceError as e:  # an unknown device: no MFU, but train anyway
         return None, f"unknown: {e}"
     return peak, "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
 
