@@ -2,26 +2,39 @@
 
     python -m benchmarks.gpu.profile --batch 32        # on a GPU: profile-gpu-<device>-b32.{md,json}, trace kept
     python -m benchmarks.gpu.profile --dry             # the same code path on the CPU, tiny shapes (tests)
-    python -m benchmarks.gpu.profile --summarise DIR --hlo HLO.txt   # re-read a saved trace
+    python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO.txt.gz [--meta RUN.json] [--json OUT.json]
+    python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO.txt.gz --trim-to-one-step OUT.trace.json.gz
 
-Every device event (a GPU kernel; on the CPU, an XLA:CPU thunk) is matched to the HLO instruction that launched it
-(the trace's ``hlo_op`` argument, else its name) and that instruction's source scope in the compiled module's
-metadata: jaxgpt names its pieces with ``jax.named_scope`` (``layer_norm``, ``attention``, ``gelu``,
-``cross_entropy``, ``embed``, ``optimizer``), and autodiff marks the backward pass ``transpose(jvp(...))``. The
-first matching category wins:
+Every device event (a GPU kernel; on the CPU, an XLA:CPU thunk) is matched to the HLO instruction that launched
+it: by the trace's ``hlo_op`` argument where it names one, and inside CUDA-graph command buffers (``hlo_op`` =
+``command_buffer_N``) by walking the module's schedule along the kernels (``benchmarks.gpu.hlo_trace``). Each
+instruction has a scope in the compiled module's metadata: jaxgpt names its pieces with ``jax.named_scope``
+(``layer_norm``, ``attention``, ``gelu``, ``cross_entropy``, ``embed``, ``optimizer``; a fusion whose root op
+has none takes the one most of its fused ops name), and autodiff marks the backward pass ``transpose(jvp(...))``.
+The first matching category wins:
 
 =====================================  ==========================================================================
 optimizer                              the ``optimizer`` scope: clipping's global norm, AdamW, the update
-cross-entropy (lm_head + loss)         the fused chunked lm_head matmuls and cross-entropy (forward and backward)
-attention fwd / bwd                    the ``attention`` scope: cuDNN flash attention (or XLA's), its reshapes
-matmuls fwd / bwd                      every other dot / cuBLAS / Triton GEMM (qkv, out-proj, MLP)
-LayerNorm/GELU fwd / bwd               the ``layer_norm`` and ``gelu`` scopes' fusions (residual adds fused in)
+cross-entropy GEMMs (lm_head)          the loss chunks' matmuls (logits, and in the same loop their gradients)
+cross-entropy elementwise              the rest of the loss chunks: max, exp-sum, softmax - onehot, casts, slices
+attention fwd / bwd                    cuDNN flash attention (its helper kernels and memsets included), or the
+                                       ``attention`` scope's matmuls (XLA's attention)
+matmuls fwd / bwd                      every other GEMM (qkv, out-proj, MLP; cuBLAS or Triton), by
+                                       ``transpose(`` in its scope
+attention casts, layout fwd / bwd      the ``attention`` scope's other fusions (q/k/v casts, reshapes)
+LayerNorm fwd / bwd, GELU fwd / bwd    the ``layer_norm`` and ``gelu`` scopes' fusions (residual adds and bf16
+                                       casts fused in)
 embedding                              token + position lookups and their scatter-add backward
-copies                                 memcpy / memset and copy instructions
-other                                  anything else (named in the JSON)
+copies                                 memcpy / memset and copy instructions outside the scopes above
+residual adds, converts fwd / bwd      XLA fusions outside every named scope: the residual adds, the bf16 casts
+                                       of weights and gradients, the small bias-gradient sums
+other                                  anything else: events no instruction was found for (named in the JSON)
 host gaps (device idle)                the traced window minus the union of all device events
 =====================================  ==========================================================================
 
+Where kernels overlap (a CUDA graph may run two side by side), each gets the time no earlier kernel covered, so
+the categories sum to the device-busy time. ``--json`` also writes the time of every HLO instruction
+(``instruction_times``: scope, category, launches and ms per step, kernel names), which calibrations read.
 The table also gives the ceiling: the MFU the step would reach if only its matmuls and attention ran, at the
 rate they ran at (the time of everything else, gaps included, is what stands between the measured MFU and it).
 """
@@ -30,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import os
@@ -40,155 +54,190 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.gpu import hlo_trace
 
-CATEGORIES = ["matmuls fwd", "matmuls bwd", "attention fwd", "attention bwd", "cross-entropy (lm_head + loss)",
-              "LayerNorm/GELU fwd", "LayerNorm/GELU bwd", "embedding", "optimizer", "copies", "other",
-              "host gaps (device idle)"]
-COMPUTE = ("matmuls fwd", "matmuls bwd", "attention fwd", "attention bwd")  # the ceiling's "useful" time
-GEMM_KERNEL = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|s16816|hmma", re.I)
+CATEGORIES = ["matmuls fwd", "matmuls bwd", "attention fwd", "attention bwd", "attention casts, layout fwd",
+              "attention casts, layout bwd", "cross-entropy GEMMs (lm_head)", "cross-entropy elementwise",
+              "LayerNorm fwd", "LayerNorm bwd", "GELU fwd", "GELU bwd", "residual adds, converts fwd",
+              "residual adds, converts bwd", "embedding", "optimizer", "copies", "other", "host gaps (device idle)"]
+COMPUTE = ("matmuls fwd", "matmuls bwd", "attention fwd", "attention bwd", "cross-entropy GEMMs (lm_head)")
 ATTN_KERNEL = re.compile(r"cudnn|fmha|flash|sdpa|fprop|bprop", re.I)
 ATTN_BWD_KERNEL = re.compile(r"bprop|bwd|backward|dgrad|_dq|dkv", re.I)
 COPY_KERNEL = re.compile(r"memcpy|memset|copy", re.I)
-INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([\w\-]+)\(")
+SCOPES = ("optimizer", "cross_entropy", "attention", "layer_norm", "gelu", "embed")  # the first found wins
+SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
+ROW = {"layer_norm": "LayerNorm", "gelu": "GELU"}
 
 
-def hlo_index(hlo: str) -> dict[str, dict[str, str]]:
-    """instruction name -> {"opcode", "op_name" (source scope), "target" (custom-call target / fusion kind)} for
-    every instruction of an optimized HLO module's text."""
-    out, with_dot, comp = {}, set(), None
-    for line in hlo.splitlines():  # computations holding a dot: a fusion that calls one is a matmul
-        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$", line)
-        if head:
-            comp = head.group(1)
-        elif comp and re.search(r"\s(dot|convolution)\(", line):
-            with_dot.add(comp)
-    for line in hlo.splitlines():
-        m = INSTR.match(line)
-        if not m:
-            continue
-        name, opcode = m.groups()
-        calls = re.search(r"calls=%?([\w.\-]+)", line)
-        if calls and calls.group(1) in with_dot and opcode == "fusion":
-            opcode = "fusion(dot)"
-        op_name = re.search(r'op_name="([^"]*)"', line)
-        target = re.search(r'custom_call_target="([^"]*)"', line) or re.search(r"kind=(k\w+)", line)
-        triton = "__triton" in line or "triton_gemm" in line
-        out[name] = {"opcode": opcode, "op_name": op_name.group(1) if op_name else "",
-                     "target": (target.group(1) if target else "") + (" triton_gemm" if triton else "")}
-    return out
+@functools.lru_cache(maxsize=2)
+def _module(hlo: str) -> hlo_trace.Module:
+    return hlo_trace.parse(hlo)
 
 
-def _is_matmul(opcode: str, target: str, kernel: str) -> bool:
-    return (opcode in ("dot", "convolution", "fusion(dot)") or "gemm" in target.lower() or "cublas" in target.lower()
-            or bool(GEMM_KERNEL.search(kernel)))
+def scope_of(mod: hlo_trace.Module, ins: hlo_trace.Instr) -> str:
+    """The named scope an instruction belongs to: the one in its op_name, else (a fusion whose root op has none,
+    e.g. the bf16 cast after GELU) the one most of the fused instructions name; "" if none."""
+    m = [s for s in SCOPES if re.search(rf"\b{s}\b", ins.op_name)]
+    if m:
+        return m[0]
+    found = collections.Counter(g.group(1) for o in mod.fused_op_names(ins) if (g := SCOPE.search(o)))
+    return found.most_common(1)[0][0] if found else ""
 
 
-def categorize(kernel: str, instr: dict[str, str] | None) -> str:
-    """The category of one device event: ``kernel`` its name, ``instr`` its HLO instruction (or None)."""
-    op_name = instr["op_name"] if instr else ""
-    opcode, target = (instr["opcode"], instr["target"]) if instr else ("", "")
-    bwd = "transpose(" in op_name
-    if "optimizer" in op_name:
+def categorize(kernel: str, ins: hlo_trace.Instr | None, mod: hlo_trace.Module | None = None) -> str:
+    """The category of one device event: ``kernel`` its name, ``ins`` the HLO instruction that launched it (None
+    if unknown; then only its name can tell a copy or a library kernel)."""
+    if ins is None:
+        if COPY_KERNEL.search(kernel):
+            return "copies"
+        if ATTN_KERNEL.search(kernel):
+            return "attention bwd" if ATTN_BWD_KERNEL.search(kernel) else "attention fwd"
+        return "other"
+    scope = scope_of(mod, ins) if mod else ""
+    bwd = " bwd" if "transpose(" in ins.op_name else " fwd"
+    gemm = mod.is_gemm(ins) if mod else False
+    root = SCOPE.search(ins.op_name)
+    if scope == "optimizer":
         return "optimizer"
-    if "cross_entropy" in op_name:
-        return "cross-entropy (lm_head + loss)"
-    if "attention" in op_name or (not instr and ATTN_KERNEL.search(kernel)) or "fmha" in target.lower():
-        back = bwd or (not instr and bool(ATTN_BWD_KERNEL.search(kernel))) or "backward" in target.lower()
-        return "attention bwd" if back else "attention fwd"
-    if _is_matmul(opcode, target, kernel):
-        return "matmuls bwd" if bwd else "matmuls fwd"
-    if "layer_norm" in op_name or "gelu" in op_name:
-        return "LayerNorm/GELU bwd" if bwd else "LayerNorm/GELU fwd"
-    if "embed" in op_name:
+    if scope == "cross_entropy":
+        return "cross-entropy GEMMs (lm_head)" if gemm else "cross-entropy elementwise"
+    if "fmha" in ins.kind:
+        return "attention bwd" if "Backward" in ins.kind else "attention fwd"
+    if gemm:
+        return ("attention" if root and root.group(1) == "attention" else "matmuls") + bwd
+    if scope == "attention":
+        return "attention casts, layout" + bwd
+    if scope in ROW:
+        return ROW[scope] + bwd
+    if scope == "embed":
         return "embedding"
-    if opcode in ("copy", "copy-start", "copy-done") or COPY_KERNEL.search(kernel):
+    if ins.opcode in ("copy", "copy-start") or (ins.opcode == "custom-call" and COPY_KERNEL.search(kernel)):
         return "copies"
+    if ins.opcode in ("fusion", "fusion-start"):
+        return "residual adds, converts" + bwd
     return "other"
 
 
-def device_events(trace: dict[str, Any], instrs: dict[str, dict[str, str]]) -> tuple[list[dict], str]:
-    """The trace's device events ({name, hlo_op, ts, dur} in microseconds) and where they came from: GPU kernels
-    (events of a ``/device:GPU`` process) where there are any, else XLA:CPU thunks (host events named like an HLO
-    instruction of the module)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {pid for pid, name in procs.items() if "/device:GPU" in name}
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    if gpu_pids:
-        out = []
-        for e in xs:
-            if e["pid"] not in gpu_pids:
-                continue
-            args = e.get("args", {})
-            hlo_op = args.get("hlo_op") or args.get("long_name", "").split(":")[0] or e["name"]
-            out.append({"name": e["name"], "hlo_op": hlo_op, "ts": float(e["ts"]), "dur": float(e["dur"])})
-        return out, "GPU kernels"
-    out = [{"name": e["name"], "hlo_op": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])}
-           for e in xs if e["name"] in instrs]
-    return out, "XLA:CPU thunks"
+def _leaves(pairs: list[tuple[dict, Any]], nested: bool) -> list[tuple[dict, Any]]:
+    """On the CPU thunks nest (a while loop's thunk holds its body's): only the innermost events count."""
+    if not nested:
+        return pairs
+    evs = [e for e, _ in pairs]
+    return [p for i, p in enumerate(pairs)
+            if not (i + 1 < len(evs) and evs[i + 1]["ts"] < evs[i]["ts"] + evs[i]["dur"]
+                    and evs[i + 1]["ts"] + evs[i + 1]["dur"] <= evs[i]["ts"] + evs[i]["dur"])]
 
 
-def busy_union(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals (overlaps counted once)."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
+def _mapped(trace: dict[str, Any] | list, mod: hlo_trace.Module, steps: int | None,
+            window_us: float | None = None) -> dict[str, Any]:
+    """The mapped events of the traced steps, their number and window (see summarise)."""
+    m = hlo_trace.map_events(trace, mod)
+    pairs = _leaves(m["pairs"], m["source"] != "GPU kernels")
+    if not pairs:
+        raise ValueError("the trace holds no device events (was the step run inside jax.profiler.trace?)")
+    if m["steps"]:  # the walk's whole steps: the window is theirs (a partial last step is left out)
+        walked = [e for e, i in pairs if i is not None and e["hlo_op"] not in mod.instrs] or [pairs[0][0]]
+        lo, hi = walked[0]["ts"], max(e["ts"] + e["dur"] for e in walked)
+        pairs = [p for p in pairs if lo <= p[0]["ts"] < hi]
+    start = min(e["ts"] for e, _ in pairs)
+    stop = max(e["ts"] + e["dur"] for e, _ in pairs)
+    if steps is None:
+        steps = m["steps"] or _steps_from_counts(pairs, mod)
+    return {**m, "pairs": pairs, "steps": steps, "window_us": window_us or (stop - start)}
 
 
-def summarise(trace: dict[str, Any], hlo: str, steps: int, window_us: float | None = None) -> dict[str, Any]:
+def _steps_from_counts(pairs: list[tuple[dict, Any]], mod: hlo_trace.Module) -> int:
+    """Steps in a trace mapped by hlo_op: the launches of the schedule's first instruction (one event each)."""
+    first = next((la.instr for la in hlo_trace.schedule(mod) if not la.optional), None)
+    n = sum(1 for _, i in pairs if i is first)
+    if not n:
+        raise ValueError("cannot tell how many steps the trace holds: pass --steps")
+    return n
+
+
+def summarise(trace: dict[str, Any] | list, hlo: str, steps: int | None = None,
+              window_us: float | None = None) -> dict[str, Any]:
     """Per-category time per step (ms), share of the step, events per step and the top kernels; host gaps are the
     window (``window_us``: the traced steps' wall time; default first event start to last event end) minus the
-    union of device events. On the CPU, thunks nest (a while loop's thunk holds its body's): only the innermost
-    events (those containing no other) are summed, so nothing counts twice."""
-    instrs = hlo_index(hlo)
-    evs, source = device_events(trace, instrs)
-    if not evs:
-        raise ValueError("the trace holds no device events (was the step run inside jax.profiler.trace?)")
-    evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-    leaf = [e for i, e in enumerate(evs)
-            if not (i + 1 < len(evs) and evs[i + 1]["ts"] < e["ts"] + e["dur"]
-                    and evs[i + 1]["ts"] + evs[i + 1]["dur"] <= e["ts"] + e["dur"] and source != "GPU kernels")]
-    start = min(e["ts"] for e in evs)
-    stop = max(e["ts"] + e["dur"] for e in evs)
-    window = window_us or (stop - start)
-    busy = busy_union([(e["ts"], e["ts"] + e["dur"]) for e in evs])
+    union of device events; where kernels overlap, each category gets the time no earlier kernel covered
+    (``exclusive_us``), so the categories sum to the device-busy time (``device_busy_ms_per_step``) and, with the
+    host gaps, to the window. ``steps``: how many steps the trace holds (default: the whole steps the
+    command-buffer walk found, else the launches of the schedule's first instruction)."""
+    mod = _module(hlo)
+    m = _mapped(trace, mod, steps, window_us)
+    steps, window, pairs = m["steps"], m["window_us"], m["pairs"]
+    busy = hlo_trace.busy_union([(e["ts"], e["ts"] + e["dur"]) for e, _ in pairs])
     per: dict[str, dict[str, Any]] = {c: {"us": 0.0, "count": 0, "kernels": collections.Counter()} for c in CATEGORIES}
     unknown = collections.Counter()
-    for e in leaf:
-        instr = instrs.get(e["hlo_op"])
-        c = categorize(e["name"], instr)
+    for (e, ins), us in zip(pairs, hlo_trace.exclusive_us([e for e, _ in pairs])):
+        c = categorize(e["name"], ins, mod)
         if c == "other":
-            unknown[f"{e['hlo_op']} ({e['name'][:60]})"] += e["dur"]
-        per[c]["us"] += e["dur"]
+            unknown[f"{ins.name if ins else e['hlo_op'] or '?'} ({e['name'][:60]})"] += us
+        per[c]["us"] += us
         per[c]["count"] += 1
-        per[c]["kernels"][e["name"][:80]] += e["dur"]
+        per[c]["kernels"][e["name"][:80]] += us
     per["host gaps (device idle)"]["us"] = max(0.0, window - busy)
-    step_ms = window / steps / 1e3
     rows = [{"category": c, "ms_per_step": v["us"] / steps / 1e3, "share": v["us"] / window,
              "events_per_step": v["count"] / steps,
              "top": [(k, t / steps / 1e3) for k, t in v["kernels"].most_common(3)]} for c, v in per.items()]
-    return {"source": source, "steps": steps, "step_ms": step_ms, "window_ms": window / 1e3,
-            "device_busy_ms_per_step": busy / steps / 1e3, "events": len(evs), "rows": rows,
+    summed = sum(r["ms_per_step"] for r in rows[:-1])  # = busy (exclusive_us), up to rounding
+    return {"source": m["source"], "mapping": m["mapping"], "steps": steps, "step_ms": window / steps / 1e3,
+            "window_ms": window / 1e3, "device_busy_ms_per_step": busy / steps / 1e3,
+            "kernel_ms_per_step": summed, "events": len(pairs), "rows": rows,
+            "other_share_of_busy": per["other"]["us"] / busy if busy else 0.0,
             "other_top": [(k, t / steps / 1e3) for k, t in unknown.most_common(10)]}
+
+
+def instruction_times(trace_path_or_events: str | Path | dict | list, hlo_text: str,
+                      steps: int | None = None) -> list[dict[str, Any]]:
+    """The measured time of every HLO instruction of the traced step, in schedule order: one dict each with
+    ``name``, ``opcode``, ``kind`` (a fusion's kind -- kLoop, kInput, kCustom, ``__triton`` appended -- or a
+    custom-call's target), ``shape`` (its result type), ``op_name``, ``scope`` (its named scope, see
+    ``scope_of``), ``direction`` (fwd, or bwd under autodiff's ``transpose(jvp(...))``), ``category`` (the
+    profile table's row), ``executions_per_step`` (how often the HLO schedule runs it: a loop body's trip count),
+    ``executions_mapped_per_step`` (how often the command-buffer walk found it run; None without a walk),
+    ``launches_per_step`` (the events mapped to it, a library call's helper kernels and memsets included),
+    ``ms_per_step`` (its kernels' durations summed) and ``kernels`` ({kernel name: launches per step}).
+
+    ``trace_path_or_events``: a ``*.trace.json.gz`` file (or a directory holding one), the loaded trace, or its
+    list of events; ``hlo_text``: the optimized HLO module the trace ran; ``steps`` as in ``summarise``. Events no
+    instruction could be found for are left out (``summarise`` counts them as "other")."""
+    trace = trace_path_or_events
+    if isinstance(trace, (str, Path)):
+        trace = hlo_trace.read_trace(Path(trace))
+    mod = _module(hlo_text)
+    m = _mapped(trace, mod, steps)
+    steps = m["steps"]
+    execs = collections.Counter(la.instr.name for la in hlo_trace.schedule(mod) if not la.optional)
+    ran = m["executions"]
+    acc: dict[str, dict[str, Any]] = {}
+    for e, ins in m["pairs"]:
+        if ins is None:
+            continue
+        a = acc.setdefault(ins.name, {"us": 0.0, "n": 0, "kernels": collections.Counter(), "ins": ins,
+                                      "category": categorize(e["name"], ins, mod)})
+        a["us"] += e["dur"]
+        a["n"] += 1
+        a["kernels"][e["name"]] += 1
+    order = {name: k for k, name in enumerate(dict.fromkeys(la.instr.name for la in hlo_trace.schedule(mod)))}
+    out = []
+    for name, a in sorted(acc.items(), key=lambda kv: order.get(kv[0], len(order))):
+        ins = a["ins"]
+        out.append({"name": name, "opcode": ins.opcode, "kind": ins.kind, "shape": ins.shape,
+                    "op_name": ins.op_name, "scope": scope_of(mod, ins),
+                    "direction": "bwd" if "transpose(" in ins.op_name else "fwd", "category": a["category"],
+                    "executions_per_step": execs.get(name, 0),
+                    "executions_mapped_per_step": ran[name] / steps if ran is not None else None,
+                    "launches_per_step": a["n"] / steps,
+                    "ms_per_step": a["us"] / steps / 1e3,
+                    "kernels": {k: n / steps for k, n in a["kernels"].most_common()}})
+    return out
 
 
 def ceiling(summary: dict[str, Any], mfu: float | None) -> float | None:
     """The MFU if the step were only its matmuls and attention, at the rate they ran at."""
     compute = sum(r["ms_per_step"] for r in summary["rows"] if r["category"] in COMPUTE)
     return mfu * summary["step_ms"] / compute if mfu and compute else None
-
-
-def load_trace(trace_dir: Path) -> dict[str, Any]:
-    files = sorted(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    if not files:
-        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir} (jax.profiler.trace(create_perfetto_trace=True))")
-    with gzip.open(files[-1]) as f:
-        return json.load(f)
 
 
 def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) -> dict[str, Any]:
@@ -225,7 +274,9 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
             state, _ = step_fn(state, xd, yd, key)
         jax.block_until_ready(state)
         wall = time.perf_counter() - t0
-    summary = summarise(load_trace(tdir), hlo, steps)
+    trace = hlo_trace.load_trace(tdir)
+    summary = summarise(trace, hlo, steps)
+    instructions = instruction_times(trace, hlo, steps)
     dev = jax.devices()[0]
     peak, peak_src = peak_of(dev.device_kind)
     full, causal = flops(preset, batch, seq)
@@ -240,6 +291,7 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
             "batch": batch, "policy": str(pol), "train_step": src, "compile_s": compile_s,
             "traced_step_ms": wall / steps * 1e3, "mfu": mfu, "peak_source": peak_src, "flops_per_step": full,
             "flops_per_step_causal_halved": causal, "ceiling_mfu": ceiling(summary, mfu), "summary": summary,
+            "instructions": instructions,
             "versions": common.versions(), "git": os.environ.get("JAXGPT_GIT_REV") or common.git_rev(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo_file": hlo_path.name, "trace_file": trace_copy.name}
 
@@ -258,9 +310,12 @@ def markdown(res: dict[str, Any]) -> str:
              f"{res.get('device_kind')}, policy {res.get('policy')}; compile {res.get('compile_s', 0):.1f} s; "
              f"{s['steps']} traced steps of {res.get('traced_step_ms', s['step_ms']):.1f} ms (MFU {mfu}); "
              f"{s['source']}: {s['events']} events, device busy {s['device_busy_ms_per_step']:.1f} of "
-             f"{s['step_ms']:.1f} ms per step; ceiling (only matmuls and attention, at their measured rate): "
-             f"MFU {ceil}. git {res.get('git')}; jax {res.get('versions', {}).get('jax')}; "
+             f"{s['step_ms']:.1f} ms per step; ceiling (only matmuls, the lm_head and attention, at their measured "
+             f"rate): MFU {ceil}. git {res.get('git')}; jax {res.get('versions', {}).get('jax')}; "
              f"XLA_FLAGS={res.get('xla_flags') or '(none)'}.", "",
+             f"Kernels mapped to HLO instructions by {s.get('mapping', 'hlo_op')}; \"other\" is "
+             f"{100 * s.get('other_share_of_busy', 0):.1f}% of the device-busy time; the kernel rows sum to "
+             f"{s.get('kernel_ms_per_step', 0):.2f} ms per step.", "",
              "| where | ms/step | share | events/step | largest (ms/step) |", "|---|---:|---:|---:|---|"]
     for r in s["rows"]:
         top = "; ".join(f"`{k[:50]}` {t:.2f}" for k, t in r["top"][:2])
@@ -271,32 +326,87 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def dumps(res: dict[str, Any]) -> str:
+    """The result as JSON, one line per instruction of its per-instruction list (a few hundred kB, not MBs)."""
+    rest = {k: v for k, v in res.items() if k != "instructions"}
+    text = json.dumps(rest, indent=1)
+    if "instructions" not in res:
+        return text + "\n"
+    rows = ",\n  ".join(json.dumps(i, separators=(",", ":")) for i in res["instructions"])
+    return text[:-2] + ',\n "instructions": [\n  ' + rows + "\n ]\n}\n"
+
+
+def _read_hlo(path: str) -> str:
+    if not Path(path).is_file():
+        raise SystemExit(f"--hlo {path}: no such file (the optimized HLO text the profile wrote, .txt or .txt.gz)")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return f.read()
+
+
+def resummarise(trace_path: Path, hlo: str, meta: dict[str, Any] | None = None,
+                steps: int | None = None) -> dict[str, Any]:
+    """A saved trace summarised again: ``meta`` (the result the harness wrote with it) keeps its run's fields
+    (device, policy, compile time, measured MFU, versions); summary, ceiling and the per-instruction list are new."""
+    trace = hlo_trace.read_trace(trace_path)
+    summary = summarise(trace, hlo, steps)
+    res = dict(meta or {})
+    res.update({"summary": summary, "instructions": instruction_times(trace, hlo, summary["steps"]),
+                "ceiling_mfu": ceiling(summary, res.get("mfu")), "trace_file": trace_path.name,
+                "summarised_by": "python -m benchmarks.gpu.profile --summarise"})
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps to trace (default 5); with --summarise: steps in the trace (default: found in it)")
     p.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the code path; tests)")
     p.add_argument("--policy", default="{}", help='Policy overrides as JSON, e.g. \'{"attention": "xla"}\'')
-    p.add_argument("--summarise", metavar="TRACE_DIR", help="only summarise a saved trace (with --hlo)")
+    p.add_argument("--summarise", metavar="TRACE", help="only summarise a saved trace (a .trace.json.gz or the "
+                   "directory holding it; with --hlo)")
     p.add_argument("--hlo", help="the compiled HLO text (.txt or .txt.gz) of the traced step")
+    p.add_argument("--meta", help="with --summarise: the result JSON the profile wrote with the trace (its run's "
+                   "device, policy, MFU, versions are kept)")
+    p.add_argument("--json", metavar="FILE", help="with --summarise: write the result (table, per-instruction "
+                   "times) to FILE and its table to FILE with .md")
+    p.add_argument("--trim-to-one-step", metavar="OUT", help="with --summarise: write one step of the trace "
+                   "(its GPU events only) to OUT (.trace.json.gz)")
     a = p.parse_args(argv)
     if a.summarise:
         if not a.hlo:
             p.error("--summarise needs --hlo")
-        opener = gzip.open if a.hlo.endswith(".gz") else open
-        with opener(a.hlo, "rt") as f:
-            hlo = f.read()
-        if Path(a.summarise).is_dir():
-            trace = load_trace(Path(a.summarise))
-        else:
-            with gzip.open(a.summarise) as f:
-                trace = json.load(f)
-        print(markdown({"summary": summarise(trace, hlo, a.steps)}))
+        hlo = _read_hlo(a.hlo)
+        trace_path = Path(a.summarise)
+        if a.trim_to_one_step:
+            try:
+                kept = hlo_trace.trim_to_one_step(hlo_trace.read_trace(trace_path), hlo, Path(a.trim_to_one_step))
+            except (ValueError, FileNotFoundError) as err:
+                raise SystemExit(f"cannot trim {a.summarise}: {err}") from None
+            print(f"wrote {a.trim_to_one_step}: step {kept['step']} of {kept['of_steps']}, {kept['events']} events, "
+                  f"device busy {kept['busy_ms']:.1f} ms")
+            return 0
+        meta = json.loads(Path(a.meta).read_text()) if a.meta else None
+        try:
+            res = resummarise(trace_path, hlo, meta, a.steps)
+        except (ValueError, FileNotFoundError) as err:
+            raise SystemExit(f"cannot summarise {a.summarise}: {err}") from None
+        print(markdown(res))
+        if a.json:
+            out = Path(a.json)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(dumps(res))
+            out.with_suffix(".md").write_text(markdown(res) + "\n")
+            print(f"\nwrote {out} and {out.with_suffix('.md')}")
         return 0
+    if a.json or a.meta or a.trim_to_one_step:
+        p.error("--json, --meta and --trim-to-one-step go with --summarise")
     if a.dry:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    res = profile(dry=a.dry, batch=a.batch, steps=a.steps, policy=json.loads(a.policy))
+    res = profile(dry=a.dry, batch=a.batch, steps=a.steps or 5, policy=json.loads(a.policy))
     j, m = common.save_result(_stem(a.dry, res["device_kind"], a.batch), res, markdown(res))
+    j.write_text(dumps(res))  # one line per instruction
     print(markdown(res))
     print(f"\nwrote {common.shown(j)}, {common.shown(m)}, {res['hlo_file']} and {res['trace_file']}")
     return 0
