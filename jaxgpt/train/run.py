@@ -335,6 +335,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
                 return verdict
             if self.held is not None and self.held["step"] == step - 1:
                 self.write_held()
+                self.t_mark = time.perf_counter()  # the save's time is not the next step's (like the due ones')
             self.log_step({"type": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                            "step_time": dt, "tokens_per_s": self.tokens_per_step / dt,
                            "flops_per_s": self.step_flops / dt,
