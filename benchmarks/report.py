@@ -221,8 +221,8 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
 
 
 def gpu_section() -> list[str]:
-    """The GPU tables written by the harness on a GPU (``train_step-gpu-<device>*.json``, the A/B, the profile),
-    or what to run where there are none yet."""
+    """The GPU tables written by the harness on a GPU (``train_step-gpu-<device>*.json``, the A/B, the profile,
+    the end-to-end training run), or what to run where there are none yet."""
     from benchmarks.gpu import bench
 
     tables = sorted(p for p in common.RESULTS.glob("train_step-gpu-*.json") if "dry" not in p.name)
@@ -241,15 +241,86 @@ def gpu_section() -> list[str]:
             "`benchmarks/gpu/`).", ""]
     for p in tables:
         res = json.loads(p.read_text())
-        out += [f"### `{p.stem}`", "", bench.markdown(res), "", f"Command: `{res['command']}`", ""]
+        dev = p.stem.removeprefix("train_step-gpu-")
+        out += gpu_summary(res, e2e_result(dev)) + [f"### `{p.stem}`", "", bench.markdown(res), "",
+                                                     f"Command: `{res['command']}`", ""]
     for name, title in (("gpu-ab", "jaxgpt A/B, one knob at a time"),):
         md = common.RESULTS / f"{name}.md"
         if md.exists():
             out += [f"### {title}", "", md.read_text().rstrip(), ""]
     for md in sorted(common.RESULTS.glob("profile-gpu-*.md")):
         if "dry" not in md.name:
-            out += [f"### Where the step's time goes (`{md.stem}`)", "", md.read_text().rstrip(), ""]
+            one = common.ROOT / "tests" / "data" / f"{md.stem}-one-step.trace.json.gz"
+            out += [f"### Where the step's time goes (`{md.stem}`)", "", md.read_text().rstrip(), "",
+                    f"Summarised from the run's trace and its optimized HLO (`benchmarks/results/{md.stem}.hlo.txt.gz`)"
+                    f" by `python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO --meta RUN.json --json OUT`; "
+                    f"`{md.stem}.json` also holds every HLO instruction's time, scope and kernels."
+                    + (f" The raw trace is not in the repository; one step of it is `{one.relative_to(common.ROOT)}` "
+                       "(`--trim-to-one-step`), which the tests read." if one.exists() else ""), ""]
     return out
+
+
+def e2e_result(dev: str) -> dict[str, Any] | None:
+    """The end-to-end training run on a GPU (``e2e-gpu-<device>.json`` and the metrics.jsonl it names), if any."""
+    meta = common.RESULTS / f"e2e-gpu-{dev}.json"
+    if not meta.exists():
+        return None
+    res = json.loads(meta.read_text())
+    recs = [json.loads(ln) for ln in (common.RESULTS / res["metrics_file"]).read_text().splitlines() if ln.strip()]
+    res["train"] = [r for r in recs if r.get("type") == "train"]
+    log = common.RESULTS / res.get("log_file", "-")
+    done = [ln for ln in log.read_text().splitlines() if ln.startswith("done:")] if log.exists() else []
+    res["summary_line"] = done[-1] if done else None
+    return res
+
+
+def _e2e_steps(e2e: dict[str, Any]) -> tuple[str, list[str]]:
+    """The training run's steady steps: median and range of the steps within 5% of the median (after the first),
+    and the steps outside it."""
+    steps = e2e["train"][1:]
+    times = sorted(r["step_time"] for r in steps)
+    med = times[len(times) // 2]
+    typical = [r for r in steps if abs(r["step_time"] / med - 1) <= 0.05]
+    lo, hi = min(r["step_time"] for r in typical), max(r["step_time"] for r in typical)
+    tps = sorted(r["tokens_per_s"] for r in typical)
+    mfu = sorted(r["mfu"] for r in typical if r.get("mfu"))
+    first = e2e["train"][0]["step_time"]
+    text = (f"{1e3 * lo:,.0f}-{1e3 * hi:,.0f} ms per step ({tps[0] / 1e3:,.0f}-{tps[-1] / 1e3:,.0f}k tok/s"
+            + (f", {100 * mfu[len(mfu) // 2]:.1f}% MFU" if mfu else "") + f"), first step {first:.1f} s")
+    return text, [f"step {r['step']} {1e3 * r['step_time']:,.0f} ms" for r in steps if r not in typical]
+
+
+def gpu_summary(res: dict[str, Any], e2e: dict[str, Any] | None) -> list[str]:
+    """The headline of a GPU run: device, software, jaxgpt against torch.compile per micro-batch, the training
+    run, the targets' verdicts."""
+    g, v = res["gpu"], res["versions"]
+    rows = {(r["batch"], r["variant"]): r for r in res["rows"] if "error" not in r and r["shape"] == "gpt2"}
+    out = [f"Measured on one {g.get('name')} (driver {g.get('driver')}, {g.get('memory')}), {res['started'][:10]}, "
+           f"git {res['git']}, with that machine's software: python {v.get('python')}, jax / jaxlib {v.get('jax')} / "
+           f"{v.get('jaxlib')}, flax {v.get('flax')}, optax {v.get('optax')}, torch {v.get('torch')}, transformers "
+           f"{v.get('transformers')}, numpy {v.get('numpy')} (not README's pinned versions).", "",
+           "| gpt2 124M, T=1024 | jaxgpt (default policy) | torch_ref: torch.compile + bf16 autocast + flash SDPA + "
+           "fused AdamW | jaxgpt / torch.compile |", "|---|---|---|---:|"]
+    fmt = (lambda r: f"{r['step_ms']['median']:,.1f} ms, {r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, "
+           f"{r['peak_device_gib']:.1f} GiB")
+    for b in sorted({b for b, _ in rows}, reverse=True):
+        j, t = rows.get((b, "jax_bf16")), rows.get((b, "torch_compile_bf16"))
+        if j and t:
+            out.append(f"| micro-batch {b}, one step | {fmt(j)} | {fmt(t)} | "
+                       f"{t['step_ms']['median'] / j['step_ms']['median']:.2f}x |")
+    notes = []
+    if e2e and e2e["train"]:
+        text, outliers = _e2e_steps(e2e)
+        tokens = e2e["train"][0]["tokens"]
+        out.append(f"| `configs/gpt2-124m.yaml`, `python -m jaxgpt.train` ({tokens:,} tokens per step) | {text} | | |")
+        notes.append(f"The training run: `{e2e['command']}` on {e2e['data']} ({e2e['date']}, git {e2e['git']})"
+                     + (f"; outside the range: {', '.join(outliers)}" if outliers else "") + "."
+                     + (f" Its summary line said \"{e2e['summary_line'].split(', ')[-2]}\"." if e2e.get("summary_line")
+                        else "") + (f" {e2e['note']}" if e2e.get("note") else ""))
+    verdicts = [f"{t['target']}: " + ("not run" if t["measured"] is None else "met" if t["met"] else "NOT met")
+                for t in res.get("targets", [])]
+    notes.append("Targets (the table below): " + "; ".join(verdicts) + ".")
+    return out + [""] + [n + "\n" for n in notes]
 
 
 def gpu_compiled_section() -> list[str]:
@@ -257,11 +328,30 @@ def gpu_compiled_section() -> list[str]:
     md = common.RESULTS / "gpu-compiled.md"
     if not md.exists():
         return []
-    return ["## GPU, compiled (not run)", "", md.read_text().rstrip(), "",
+    return ["## GPU, compiled (not run)", "", md.read_text().rstrip(), "", *prediction_vs_measured(),
             "Command: `python -m benchmarks.gpu.compiled record --label ...` per change, then `python -m "
             "benchmarks.gpu.compiled markdown`; the memory table from `python -m jaxgpt.compile --config "
             "configs/gpt2-124m.yaml --target {h100,h200,a100} --json benchmarks/results/compile-gpt2-124m-TARGET.json`.",
             ""]
+
+
+def prediction_vs_measured() -> list[str]:
+    """The compiled H100 prediction of configs/gpt2-124m.yaml beside the step a GPU measured, where both exist."""
+    pred, e2e = _load("compile-gpt2-124m-h100"), e2e_result("h100")
+    if not (pred and e2e and e2e["train"][1:]):
+        return []
+    times = sorted(r["step_time"] for r in e2e["train"][1:])
+    med = times[len(times) // 2]
+    p = pred["prediction"]
+    bound = p.get("bound_s")
+    what = (f"predicted {1e3 * p['time_s']:,.0f} ms (calibrated) and {1e3 * bound:,.0f} ms (roofline bound)" if bound
+            else f"predicted {1e3 * p['time_s']:,.0f} ms (the roofline lower bound, MFU "
+                 f"{100 * pred['predicted_mfu']:.1f}%)")
+    return [f"Measured since, on one {e2e['device']} ({e2e['date']}, section \"GPU\" above): "
+            f"`{pred['config']}` (b{pred['micro_batch']} x {pred['micro_steps']} micro-steps) took a median "
+            f"{1e3 * med:,.0f} ms per step; {what} for the program compiled here with jax {pred['jax']}: the GPU took "
+            f"{med / p['time_s']:.2f}x the prediction. The per-micro-step figures of this section are predictions "
+            "of the same kind.", ""]
 
 
 def write(path: Path | None = None) -> Path:

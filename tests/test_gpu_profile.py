@@ -135,3 +135,21 @@ def test_trimming_keeps_one_step_and_is_reproducible(tmp_path, trace, hlo):
     with gzip.open(FULL, "rt") as f:
         kept = hlo_trace.trim_to_one_step(json.load(f), hlo, again)
     assert kept["of_steps"] == 4 and again.read_bytes() == TRACE.read_bytes()
+
+
+def test_the_report_renders_the_committed_h100_results():
+    from benchmarks import report
+
+    text = "\n".join(report.gpu_section())
+    for figure in ("flax 0.12.10", "jax / jaxlib 0.11.2 / 0.11.2", "176.6 ms, 371,044 tok/s, 32.1% MFU, 29.1 GiB",
+                   "163.6 ms, 400,507 tok/s, 34.6% MFU, 53.0 GiB", "| 0.93x |", "| 0.80x |",
+                   "1,389-1,406 ms per step", "first step 17.0 s", "305,615 tok/s (steady)",
+                   "jaxgpt MFU >= 50% (full T x T attention count): NOT met",
+                   "### Where the step's time goes (`profile-gpu-h100-b64`)", "| other | 0.00 | 0.0% |"):
+        assert figure in text, figure
+    assert "Not yet measured" not in text
+    compiled = "\n".join(report.prediction_vs_measured())
+    assert "took a median 1,399 ms per step" in compiled and "1.54x the prediction" in compiled
+    # BENCHMARKS.md is the report of the committed results (python -m benchmarks.report rewrites it)
+    benchmarks_md = (common.ROOT / "BENCHMARKS.md").read_text()
+    assert all(line in benchmarks_md for line in text.splitlines() + compiled.splitlines())
