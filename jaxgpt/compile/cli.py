@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction", type=float, default=0.75,
                    help="share of device memory JAX's pool takes (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.75)")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--hlo", default=None, metavar="FILE",
+                   help="predict a saved optimized HLO module (.txt or .txt.gz) instead of compiling: no plugin "
+                        "needed; MFU from --config's model FLOPs if given (with --micro-batch), else the program's own "
+                        "matmul FLOPs")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="config override, as jaxgpt.train's --FIELD=VALUE (e.g. --set optim.name=sgd)")
     return p
@@ -97,6 +101,43 @@ def memory_lines(mem: dict[str, int], est: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: str) -> Report:
+    """The calibrated estimate (jaxgpt.compile.calibrated, where the target has a calibration) beside the roofline
+    bound (jaxgpt.compile.predict), by category, with the MFU of each; ``data`` is the JSON's ``prediction``."""
+    from jaxgpt.compile import calibrated, predict
+
+    pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=model_flops, tokens=tokens)
+    cal = calibrated.for_target(target.name)
+    peak = target.peak_bf16
+    bound = dict(pred.to_dict(), bound_s=pred.time_s, bound_mfu=pred.mfu(peak))
+    if cal is None:
+        lines = ["predicted from the compiled kernels (a roofline lower bound on time, not a measurement; no "
+                 f"calibration for {target.name}: measured on an H100 only):",
+                 pred.table(peak=peak, peak_name=f"{target.name} dense bf16 {peak / 1e12:,.0f} TFLOP/s")]
+        return Report(dict(bound, time_s=None, mfu=None, calibrated=None), lines)
+    est = calibrated.estimate(kernels, cal)
+    by_cat = est.by(lambda k: k.kernel.category)
+    unc = est.by(lambda k: k.kernel.category if not k.calibrated else "")
+    lines = [f"predicted step time: calibrated to what {cal.provenance.get('device_kind', target.name)} ran "
+             f"({cal.provenance.get('trace', '?')}, {cal.provenance.get('jax', '?')}), beside the roofline bound",
+             f"{'kernels by scope':<26}{'launches':>10}{'TFLOP':>9}{'GB moved':>10}{'bound ms':>10}{'estimate ms':>13}"]
+    for r in pred.rows:
+        mark = "  (uncalibrated)" if unc.get(r.category) else ""
+        lines.append(f"{r.category:<26}{r.launches:>10,}{r.flops / 1e12:>9.2f}{r.bytes / 1e9:>10.2f}"
+                     f"{r.time_s * 1e3:>10.2f}{by_cat.get(r.category, 0.0) * 1e3:>13.2f}{mark}")
+    lines.append(f"{'host, per execution':<26}{'':>39}{est.overhead_s * 1e3:>13.2f}")
+    lines.append(f"{'total':<26}{sum(r.launches for r in pred.rows):>10,}{pred.flops / 1e12:>9.2f}"
+                 f"{pred.bytes / 1e9:>10.2f}{pred.time_s * 1e3:>10.2f}{est.time_s * 1e3:>13.2f}")
+    mfu = model_flops / est.time_s / peak
+    lines.append(f"predicted step {est.time_s * 1e3:,.1f} ms (MFU {mfu:.1%}); roofline bound >= "
+                 f"{pred.time_s * 1e3:,.1f} ms (MFU <= {pred.mfu(peak):.1%}); {model_flops / 1e12:,.1f} TFLOP per "
+                 f"step ({flops_name}) over {target.name}'s dense bf16 {peak / 1e12:,.0f} TFLOP/s")
+    if est.uncalibrated_s:
+        lines.append(f"uncalibrated: {est.uncalibrated_s * 1e3:,.2f} ms of kernels of classes the trace never saw, at "
+                     f"the least efficient measured rate of their kind: {', '.join(est.to_dict()['uncalibrated'])}")
+    return Report(dict(bound, time_s=est.time_s, mfu=mfu, calibrated=est.to_dict()), lines)
+
+
 def describe(cs, target, mem_fraction: float) -> Report:
     """The memory table, lowering, prediction of one compiled step."""
     from jaxgpt.compile import hlo, inspect, predict
@@ -111,6 +152,7 @@ def describe(cs, target, mem_fraction: float) -> Report:
     fc = count_flops(model_cfg, cfg.seq_len, batch_size=cs.micro_batch, grad_accum=cs.micro_steps)
     tokens = cs.micro_batch * cs.micro_steps * cfg.seq_len
     pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=fc.training_per_step, tokens=tokens)
+    expected = prediction(kernels, target, model_flops=fc.training_per_step, tokens=tokens, flops_name="jaxgpt.flops")
     st = inspect.structure(text, kernels, seq_len=cfg.seq_len)
     est = account_memory(cs, target)
     lines = [
@@ -128,17 +170,15 @@ def describe(cs, target, mem_fraction: float) -> Report:
         *memory_lines(mem, est),
         *st.lines(cfg.seq_len),
         "",
-        "predicted from the compiled kernels (a roofline lower bound on time, not a measurement):",
-        pred.table(peak=target.peak_bf16, peak_name=f"{target.name} dense bf16 {target.peak_bf16 / 1e12:,.0f} "
-                                                    f"TFLOP/s, {target.memory_bandwidth / 1e12:.2f} TB/s"),
+        *expected.lines,
     ]
     if unknown_loops:
         lines.append(f"note: {unknown_loops} loop(s) without a recorded trip count were counted once")
     data = dict(micro_batch=cs.micro_batch, micro_steps=cs.micro_steps, devices=cs.n_devices,
                 tokens_per_step=cs.tokens_per_step, seq_len=cfg.seq_len, compute=cs.policy.compute_dtype,
                 lower_s=cs.lower_s, compile_s=cs.compile_s, memory=mem, account_memory=est, fits=ok, pool_bytes=pool,
-                structure=dataclasses.asdict(st), prediction=pred.to_dict(),
-                predicted_mfu=pred.mfu(target.peak_bf16), predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
+                structure=dataclasses.asdict(st), prediction=expected.data, predicted_mfu=expected.data["mfu"],
+                bound_mfu=pred.mfu(target.peak_bf16), predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
     return Report(data, lines)
 
 
@@ -167,10 +207,66 @@ def search(cfg, devices, target, mem_fraction: float, known: dict[int, int], say
     return dict(best=best, tried={str(k): v for k, v in tried.items()})
 
 
+def read_hlo(path: str) -> str:
+    import gzip
+
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise CompileError(f"--hlo {path}: cannot read it ({getattr(e, 'strerror', None) or e}); give an optimized HLO "
+                           "text file (compiled.as_text(), gzip accepted)") from None
+    if "ENTRY" not in text:
+        raise CompileError(f"--hlo {path}: no ENTRY computation: not an HLO module's text (compiled.as_text())")
+    return text
+
+
+def predict_hlo(args) -> dict[str, Any]:
+    """``--hlo``: the prediction of a saved optimized module, nothing compiled."""
+    from jaxgpt.compile import hlo
+    from jaxgpt.compile.targets import get_target
+
+    target = get_target(args.target)
+    kernels, unknown_loops = hlo.kernels(read_hlo(args.hlo))
+    if args.config is not None or args.set:
+        from jaxgpt.flops import count_flops
+
+        cfg = load_config(args.config, args.set)
+        mb = args.micro_batch or cfg.batch_size
+        steps = cfg.micro_steps() if args.micro_batch is None else max(1, (cfg.total_batch_tokens or 0) // (
+            mb * cfg.seq_len))
+        model_flops = count_flops(cfg.model, cfg.seq_len, batch_size=mb, grad_accum=steps).training_per_step
+        tokens, name = mb * steps * cfg.seq_len, "jaxgpt.flops"
+    else:
+        model_flops, tokens = sum(k.flops * k.count for k in kernels if k.matmul_dtype), 0
+        name = "the program's matmul and attention FLOPs"
+    report = prediction(kernels, target, model_flops=model_flops, tokens=tokens, flops_name=name)
+    print(f"jaxgpt.compile: {args.hlo} for {target.name} (a saved module: nothing compiled)")
+    print("\n".join(report.lines))
+    if unknown_loops:
+        print(f"note: {unknown_loops} loop(s) without a recorded trip count were counted once")
+    return dict(target=target.name, hlo=args.hlo, config=args.config, overrides=args.set, prediction=report.data,
+                predicted_mfu=report.data["mfu"], bound_mfu=report.data["bound_mfu"])
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=1, default=str))
+    except OSError as e:
+        raise CompileError(f"--json {path}: cannot write it ({e.strerror or e}); the figures above are "
+                           "complete: give a writable path to keep them as JSON") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     say = lambda *a: print(*a, flush=True)  # noqa: E731
     try:
+        if args.hlo is not None:
+            data = predict_hlo(args)
+            if args.json:
+                write_json(args.json, data)
+            return 0
         from jaxgpt.compile.program import compile_train_step
         from jaxgpt.compile.targets import get_target, topology_devices
 
@@ -199,12 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(1, (cfg.total_batch_tokens or 0) // (found["best"] * len(devices) * cfg.seq_len))
                 say(f"  -> micro-batch {found['best']} per device ({steps} micro-step(s) per optimizer step)")
         if args.json:
-            try:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(data, indent=1, default=str))
-            except OSError as e:
-                raise CompileError(f"--json {args.json}: cannot write it ({e.strerror or e}); the figures above are "
-                                   "complete: give a writable path to keep them as JSON") from None
+            write_json(args.json, data)
         if not report.data["fits"]:
             print(f"error: micro-batch {cs.micro_batch} does not fit: the step needs "
                 f"{report.data['memory']['total'] / GiB:.2f} GiB per device, JAX's pool on {target.name} is "

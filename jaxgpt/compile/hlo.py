@@ -151,6 +151,8 @@ class Kernel:
     matmul_dtype: str | None  # operand dtype of its GEMM, if it has one
     op_name: str
     loop_depth: int = 0  # 0: runs once per step; 1: inside the accumulation loop; ...
+    gemm: str = ""  # a GEMM's engine, dtypes and layout: "cublas bf16->f32 NT" (N: contracted on the operand's
+    #                 own side of a row-major matmul, lhs columns / rhs rows; T: the other), "" if no GEMM
 
 
 def _dot_flops(result: Array, lhs: Array, contracting: list[int]) -> float:
@@ -250,19 +252,39 @@ class Rollup:
         return flops, dot_dtype
 
     def _kernel(self, comp: str, ins: Instr, times: int, loop_depth: int) -> Kernel:
-        flops, dot_dtype, kind = 0.0, None, ins.opcode
+        flops, dot_dtype, kind, gemm = 0.0, None, ins.opcode, ""
         if ins.opcode == "fusion":
             cfg = ins.backend_config().get("fusion_backend_config", {})
             kind = cfg.get("kind") or (ins.attr("kind") or "fusion")
             flops, dot_dtype = self._fused_flops(ins.attr("calls"))
+            if dot_dtype is not None:
+                gemm = self._fused_gemm(ins.attr("calls"), ins.shapes[0].dtype if ins.shapes else "?")
         elif ins.opcode == "custom-call":
             kind = re.search(r'custom_call_target="([^"]*)"', ins.attrs).group(1)
             flops, dot_dtype = self._library_flops(comp, ins, kind)
+            if dot_dtype is not None and "fmha" not in kind:
+                dn = ins.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+                ranks = [len(s[0].dims) if s else 2 for s in (self.m.instr_shape(comp, o) for o in ins.operands[:2])]
+                gemm = _gemm_class("cublas", dot_dtype, ins.shapes[0].dtype, ranks,
+                                   [int(x) for x in dn.get("lhs_contracting_dimensions", [])],
+                                   [int(x) for x in dn.get("rhs_contracting_dimensions", [])])
         elif ins.opcode not in _NOT_FLOPS and ins.shapes and ins.opcode not in COLLECTIVES:
             flops = ins.shapes[0].elements
         nbytes = self._operand_bytes(comp, ins) + self._result_bytes(comp, ins)
         return Kernel(ins.name, kind, categorize(ins, kind, dot_dtype), flops, nbytes, times, dot_dtype, ins.op_name,
-                      loop_depth)
+                      loop_depth, gemm)
+
+    def _fused_gemm(self, comp: str, out_dtype: str) -> str:
+        """The class of the (first) dot inside a fused GEMM computation (a Triton GEMM fusion)."""
+        for i in self.m.computations.get(comp, []):
+            if i.opcode == "dot":
+                shapes = [self.m.instr_shape(comp, o) for o in i.operands[:2]]
+                return _gemm_class("triton", shapes[0][0].dtype if shapes[0] else "?", out_dtype,
+                                   [len(s[0].dims) if s else 2 for s in shapes], _dims(i.attr("lhs_contracting_dims")),
+                                   _dims(i.attr("rhs_contracting_dims")))
+            if i.opcode == "fusion" and (found := self._fused_gemm(i.attr("calls"), out_dtype)):
+                return found
+        return ""
 
     def _library_flops(self, comp: str, ins: Instr, target: str) -> tuple[float, str | None]:
         operands = [self.m.instr_shape(comp, o) for o in ins.operands]
@@ -281,6 +303,14 @@ class Rollup:
             matmuls = 5 if "Backward" in target else 2  # fwd: QK^T, PV; bwd: QK^T again, dV, dP, dQ, dK
             return 2.0 * matmuls * pairs * d, q.dtype
         return 0.0, None
+
+
+def _gemm_class(engine: str, in_dtype: str, out_dtype: str, ranks: list[int], lhs_c: list[int],
+                rhs_c: list[int]) -> str:
+    """"cublas bf16->f32 NT": lhs N when it is contracted on its last dimension, rhs N on its second-to-last."""
+    lhs = "N" if lhs_c == [ranks[0] - 1] else "T"
+    rhs = "N" if len(ranks) > 1 and rhs_c == [ranks[1] - 2] else "T"
+    return f"{engine} {in_dtype}->{out_dtype} {lhs}{rhs}"
 
 
 def _bthd(a: Array) -> tuple[int, int, int, int]:
