@@ -194,7 +194,8 @@ def instruction_times(trace_path_or_events: str | Path | dict | list, hlo_text: 
     ``name``, ``opcode``, ``kind`` (a fusion's kind -- kLoop, kInput, kCustom, ``__triton`` appended -- or a
     custom-call's target), ``shape`` (its result type), ``op_name``, ``scope`` (its named scope, see
     ``scope_of``), ``direction`` (fwd, or bwd under autodiff's ``transpose(jvp(...))``), ``category`` (the
-    profile table's row), ``executions_per_step`` (how often the HLO schedule runs it: a loop body's trip count),
+    profile table's row), ``executions_per_step`` (how often the HLO schedule runs it: a loop body's trip count; a
+    loop condition's is one more, though a counted loop on a GPU may not run it at all),
     ``executions_mapped_per_step`` (how often the command-buffer walk found it run; None without a walk),
     ``launches_per_step`` (the events mapped to it, a library call's helper kernels and memsets included),
     ``ms_per_step`` (its kernels' durations summed) and ``kernels`` ({kernel name: launches per step}).
@@ -208,7 +209,7 @@ def instruction_times(trace_path_or_events: str | Path | dict | list, hlo_text: 
     mod = _module(hlo_text)
     m = _mapped(trace, mod, steps)
     steps = m["steps"]
-    execs = collections.Counter(la.instr.name for la in hlo_trace.schedule(mod) if not la.optional)
+    execs = collections.Counter(la.instr.name for la in hlo_trace.schedule(mod))
     ran = m["executions"]
     acc: dict[str, dict[str, Any]] = {}
     for e, ins in m["pairs"]:
