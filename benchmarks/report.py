@@ -257,6 +257,10 @@ def gpu_section() -> list[str]:
                     f"`{md.stem}.json` also holds every HLO instruction's time, scope and kernels."
                     + (f" The raw trace is not in the repository; one step of it is `{one.relative_to(common.ROOT)}` "
                        "(`--trim-to-one-step`), which the tests read." if one.exists() else ""), ""]
+    if cal := _load("calibration-h100"):  # python -m benchmarks.gpu.calibrate --check
+        from benchmarks.gpu import calibrate
+
+        out += calibrate.markdown(cal)
     return out
 
 

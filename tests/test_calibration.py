@@ -27,6 +27,7 @@ B64_HLO = ROOT / "benchmarks" / "results" / "profile-gpu-h100-b64.hlo.txt.gz"  #
 B64_TRACE = ROOT / "tests" / "data" / "profile-gpu-h100-b64-one-step.trace.json.gz"  # one step of its trace
 B16_HLO = ROOT / "tests" / "data" / "hlo" / "gpt2-b16-h100-jax0.10.2.hlo.txt.gz"
 YAML_HLO = ROOT / "tests" / "data" / "hlo" / "gpt2-124m-yaml-h100-jax0.10.2.hlo.txt.gz"
+B64_HERE_HLO = ROOT / "tests" / "data" / "hlo" / "gpt2-b64-h100-jax0.10.2.hlo.txt.gz"  # the b64 step compiled here
 MEASURED_B64_S, MEASURED_B16_S, MEASURED_YAML_S = 64 * 1024 / 371_044, 16 * 1024 / 300_168, 1.395
 
 
@@ -155,6 +156,7 @@ def test_hlo_errors_are_one_line_exit_2(args, message):
 @pytest.mark.parametrize("path, sets, micro_batch", [
     (B16_HLO, ("total_batch_tokens=16384", "batch_size=16"), 16),
     (YAML_HLO, (), None),
+    (B64_HERE_HLO, ("total_batch_tokens=65536",), 64),
 ])
 def test_the_committed_out_of_sample_programs_are_what_jaxgpt_compiles(path, sets, micro_batch):
     from jaxgpt.compile import targets
@@ -172,3 +174,22 @@ def test_the_committed_out_of_sample_programs_are_what_jaxgpt_compiles(path, set
         return sorted((calibrated.kernel_class(k), k.count, round(k.bytes), round(k.flops)) for k in ks)
 
     assert work(now) == work(committed), "recompile and commit: python -m jaxgpt.compile ... (see tests/data/hlo)"
+
+
+def test_benchmarks_md_reports_the_accuracy_the_committed_calibration_has():
+    """benchmarks/results/calibration-h100.json is what `python -m benchmarks.gpu.calibrate --check` gives now, and
+    BENCHMARKS.md (benchmarks.report) carries its tables."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import report
+    from benchmarks.gpu import calibrate
+
+    committed = json.loads((ROOT / "benchmarks" / "results" / "calibration-h100.json").read_text())
+    now = calibrate.check(ROOT / "benchmarks" / "results" / "profile-gpu-h100-b64.json")
+    assert [(r["label"], round(r["predicted_s"], 6)) for r in now["programs"]] == \
+        [(r["label"], round(r["predicted_s"], 6)) for r in committed["programs"]]
+    assert all(abs(r["error"]) < 0.15 for r in now["programs"])
+    text = "\n".join(report.gpu_section())
+    assert "### The calibrated prediction (`python -m jaxgpt.compile`)" in text
+    assert "| gpt2 b64, 1 micro-step (the program that ran; in sample) | 0.11.2 (on the GPU) | 176.6 ms |" in text
+    benchmarks_md = (ROOT / "BENCHMARKS.md").read_text()
+    assert all(line in benchmarks_md for line in calibrate.markdown(committed))
