@@ -1,8 +1,10 @@
 """``python -m jaxgpt.compile``: compile a training config's real train step for a GPU this machine does not
-have, and print its memory, the largest micro-batch that fits, how it lowered, and a roofline step time.
+have, and print its memory, the largest micro-batch that fits, how it lowered, and its step time: the estimate
+calibrated to a measured H100 (:mod:`jaxgpt.compile.calibrated`) beside the roofline bound.
 
     python -m jaxgpt.compile --config configs/gpt2-124m.yaml --target h100 [--devices 8] [--micro-batch 16]
                              [--no-search] [--mem-fraction 0.75] [--json FILE] [--set FIELD=VALUE ...]
+    python -m jaxgpt.compile --hlo SAVED.hlo.txt.gz --target h100 [--config FILE] [--json FILE]  # nothing compiled
 
 Needs JAX's CUDA plugin at jaxlib's version (``pip install "jax-cuda12-plugin[with-cuda]==$(python -c 'import
 jaxlib; print(jaxlib.__version__)')"``); runs on a CPU-only machine (JAX_PLATFORMS=cpu is set here, before jax
