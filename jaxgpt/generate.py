@@ -347,12 +347,32 @@ def generate(
     if not top_k or top_k >= config.vocab_size:
         top_k = None  # no filtering (and one compiled function for all of these)
     graphdef, state = nnx.split(model)
-    out = _generate_compiled(
-        graphdef, state, jnp.asarray(ctx), jax.random.key(seed), jnp.float32(temperature),
-        n_new=int(max_new_tokens), top_k=None if top_k is None else int(top_k), use_cache=bool(use_cache),
-    )
+    args = (graphdef, state, jnp.asarray(ctx), jax.random.key(seed), jnp.float32(temperature))
+    static = dict(n_new=int(max_new_tokens), top_k=None if top_k is None else int(top_k), use_cache=bool(use_cache))
+    _check_memory(args, static, rows=len(ctx) // num_samples, num_samples=num_samples)
+    out = _generate_compiled(*args, **static)
     new = np.asarray(out)[:, ctx.shape[1]:]
     return np.concatenate([prompt, new], axis=1)
+
+
+def _check_memory(args: tuple, static: dict, *, rows: int, num_samples: int) -> None:
+    """On a GPU: the generation program against JAX's memory pool; one that does not fit raises
+    :class:`~jaxgpt.memory_fit.DeviceMemoryError` naming the largest ``num_samples`` that does
+    (:mod:`jaxgpt.memory_fit`). On the CPU: nothing. The program is compiled as the call will run it (cached)."""
+    from jaxgpt import memory_fit
+
+    pool = memory_fit.device_pool(jax.local_devices()[:1])
+    if pool is None:
+        return
+    graphdef, state, ctx, key, temperature = args
+
+    def measure(n: int) -> int:
+        c = ctx if n == num_samples else jax.ShapeDtypeStruct((rows * n, ctx.shape[1]), ctx.dtype)
+        return memory_fit.program_bytes(_generate_compiled.lower(graphdef, state, c, key, temperature,
+                                                                 **static).compile())
+
+    memory_fit.check_batch(f"generating {num_samples} sample(s) of {static['n_new']} tokens", measure(num_samples),
+                           pool, num_samples, measure, option="num_samples (--num-samples)")
 
 
 def generate_text(
@@ -554,8 +574,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
                                    use_cache=not args.no_cache, allow_special=args.allow_special)
         dt = time.perf_counter() - t0
-    except (ValueError, OSError, ImportError) as e:  # GenerateError, ConfigError, TokenError, ...
+    except (ValueError, OSError, ImportError) as e:  # GenerateError, ConfigError, TokenError, DeviceMemoryError, ...
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # XLA's RESOURCE_EXHAUSTED while running (another process on the GPU, fragmentation)
+        from jaxgpt.memory_fit import oom_summary, out_of_memory
+
+        if not out_of_memory(e):
+            raise
+        print(f"error: out of device memory ({oom_summary(e)}); free the GPU's memory (another process on it?) or "
+              "use a smaller --num-samples, and run it again", file=sys.stderr)
         return 2
     for i, (text, ids) in enumerate(samples):
         if i:

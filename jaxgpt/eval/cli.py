@@ -92,6 +92,7 @@ def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
         from jaxgpt.eval import hellaswag
 
         scorer = hellaswag.Scorer(model, batch_size=args.batch_size)
+        scorer.check_memory(prepared["items"])  # on a GPU: the widest batch against the memory pool
         t0 = time.perf_counter()
         results = scorer.score(prepared["items"], progress=not args.no_progress)
         summary = hellaswag.summarize(results, seconds=time.perf_counter() - t0)
@@ -133,6 +134,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "--json" in prepared["outputs"]:
             _write_whole(prepared["outputs"]["--json"], json.dumps(summary, indent=2) + "\n")
     except (EvalError, ValueError, OSError, ImportError) as e:  # GenerateError, DataError, unwritable files, ...
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)  # (and DeviceMemoryError: a batch too large for the GPU)
+        return 2
+    except RuntimeError as e:  # XLA's RESOURCE_EXHAUSTED while running (another process on the GPU, fragmentation)
+        from jaxgpt.memory_fit import oom_summary, out_of_memory
+
+        if not out_of_memory(e):
+            raise
+        print(f"error: out of device memory ({oom_summary(e)}); free the GPU's memory (another process on it?) or "
+              "use a smaller --batch-size, and run it again", file=sys.stderr)
         return 2
     return 0

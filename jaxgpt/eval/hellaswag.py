@@ -207,6 +207,30 @@ class Scorer:
         self.graphdef, self.state = nnx.split(model)
         self._fn = jax.jit(functools.partial(_ending_losses, self.graphdef))
 
+    def check_memory(self, items: Sequence[Item]) -> None:
+        """On a GPU: the scoring program at the widest of ``items``' padded shapes against JAX's memory pool; one
+        that does not fit raises :class:`~jaxgpt.memory_fit.DeviceMemoryError` naming the largest batch size that
+        does (:mod:`jaxgpt.memory_fit`). On the CPU: nothing."""
+        import jax
+
+        from jaxgpt import memory_fit, tokenizer
+
+        pool = memory_fit.device_pool(jax.local_devices()[:1])
+        if pool is None or not items:
+            return
+        rendered = [render(it, tokenizer.encode, self.config.block_size) for it in items]
+        lc = bucket(max(c for _, c, _ in rendered), CTX_BUCKET, self.config.block_size)
+        le = bucket(max(len(r) - c for rows, c, _ in rendered for r in rows), END_BUCKET, self.config.block_size)
+
+        def measure(n: int) -> int:
+            i32 = np.int32
+            shapes = ((n, lc), (n,), (n, N_ENDINGS, le), (n, N_ENDINGS))
+            args = [jax.ShapeDtypeStruct(s, i32) for s in shapes]
+            return memory_fit.program_bytes(self._fn.lower(self.state, *args).compile())
+
+        memory_fit.check_batch(f"HellaSwag scoring at --batch-size {self.batch_size}", measure(self.batch_size),
+                               pool, self.batch_size, measure, option="--batch-size")
+
     def score(self, items: Sequence[Item], *, state: Any = None, progress: bool = False) -> list[dict[str, Any]]:
         """Per item: the four endings' summed and mean losses, the predictions and whether they are right."""
         from tqdm.auto import tqdm

@@ -51,6 +51,7 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
         losses, _ = nnx.merge(graphdef, state).token_losses(x, y)
         return losses.sum()
 
+    _check_memory(loss_sum, state, batch_size, seq_len)
     lens = byte_lengths()
     total, tokens, nbytes = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -66,3 +67,21 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
     return {"split": split, "loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / nbytes,
             "tokens": tokens, "bytes": nbytes, "batches": n, "batch_size": batch_size, "seq_len": seq_len,
             "seconds": time.perf_counter() - t0}
+
+
+def _check_memory(loss_sum: Any, state: Any, batch_size: int, seq_len: int) -> None:
+    """On a GPU: the loss program against JAX's memory pool (:mod:`jaxgpt.memory_fit`); on the CPU: nothing."""
+    import jax
+
+    from jaxgpt import memory_fit
+
+    pool = memory_fit.device_pool(jax.local_devices()[:1])
+    if pool is None:
+        return
+
+    def measure(n: int) -> int:
+        tokens = jax.ShapeDtypeStruct((n, seq_len), np.int32)
+        return memory_fit.program_bytes(loss_sum.lower(state, tokens, tokens).compile())
+
+    memory_fit.check_batch(f"the loss at --batch-size {batch_size} x {seq_len} tokens", measure(batch_size), pool,
+                           batch_size, measure, option="--batch-size")

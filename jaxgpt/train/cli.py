@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxgpt.checkpoint import CheckpointDamaged, NoCheckpointError
     from jaxgpt.data import DataError
     from jaxgpt.diskspace import WriteFailed, write_failure
+    from jaxgpt.memory_fit import OutOfDeviceMemory, oom_summary, out_of_memory
     from jaxgpt.train.preempt import InterruptedBeforeTraining, Preempted
     from jaxgpt.train.run import NonFiniteLoss, train
     from jaxgpt.weights import CheckpointError
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     except WriteFailed as e:  # a full disk (a checkpoint save, metrics.jsonl, the pre-flight check)
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except OutOfDeviceMemory as e:  # XLA's RESOURCE_EXHAUSTED in the step loop: the step, the checkpoint to resume
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     except InterruptedBeforeTraining as e:  # before the first step completed: nothing trained, nothing to save
         print(f"jaxgpt.train: {e.message}", file=sys.stderr)
         if from_cli:  # (the run's files are closed) end now: an interpreter shutdown with XLA mid-way can crash
@@ -145,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (train() not called from the main thread: no signal handlers of its own)
         print("jaxgpt.train: interrupted (Ctrl-C); the checkpoints already saved are intact", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RuntimeError as e:  # XLA's RESOURCE_EXHAUSTED outside the step loop (set-up, the final evaluation)
+        if not out_of_memory(e):
+            raise
+        print(f"error: out of device memory outside the step loop ({oom_summary(e)}); free the GPU's memory "
+              "(another process on it?) or lower batch_size, then re-run the same command (it resumes from the newest "
+              "checkpoint)", file=sys.stderr)
+        return EXIT_CONFIG
     except OSError as e:
         why = write_failure(e)
         if why is None:

@@ -86,13 +86,14 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
     def __init__(self, cfg: TrainConfig):
         self.cfg, self.t_start = cfg, time.perf_counter()
         self.lock = self.metrics = self.bar = self.ckpts = None
-        self.created_run_dir = self.stopped_early = False
+        self.created_run_dir = self.created_lock_file = self.stopped_early = False
         self.preemption: Preemption | None = None
         self.start_step, self.resumed_from, self.rollbacks, self.lineage = 0, None, 0, []
         self.rollback_skips: dict[int, int] = {}  # checkpoint step -> batches skipped past it so far
         self.last, self.val_loss, self.val_step, self.held, self.changes = {}, None, None, None, {}
         self.pending: list[tuple[int, Any]] = []  # (step, metrics still on the device)
         self.steady_tokens, self.steady_time, self.compile_s = 0, 0.0, None
+        self.step_in_hand: int | None = None  # the newest step dispatched by the step loop
         self.guard = DivergenceGuard(loss_factor=cfg.spike_loss_factor, grad_norm_factor=cfg.spike_grad_norm_factor,
                                      window=cfg.spike_window)
 
@@ -142,6 +143,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.created_run_dir = not self.run_dir.exists()
         try:
             rundir.make_dir(self.run_dir, what="run directory", option="out_dir")
+            self.created_lock_file = not (self.run_dir / rundir.LOCK_NAME).exists()
             if self.is_main:  # one lock per run; the other processes of a multi-process run only write checkpoints
                 self.lock = rundir.DirLock(self.run_dir, what="run directory", option="out_dir").acquire()
         except rundir.DirError as e:
@@ -154,13 +156,14 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
     def _unlock(self, *, abandon: bool = False) -> None:
         """Release the run directory's lock. ``abandon`` (set-up failed): a run directory this run created and
-        left holding nothing but the lock file is removed, so a mistyped setting leaves no trace."""
+        left holding nothing but the lock file is removed, and so is a lock file this run created in an existing
+        directory, so a mistyped setting (or a batch too large for the GPU) leaves no trace."""
         if self.lock is None:
             return
         from jaxgpt import rundir
 
         empty = abandon and self.created_run_dir and {p.name for p in self.run_dir.iterdir()} <= {rundir.LOCK_NAME}
-        if empty:
+        if empty or (abandon and self.created_lock_file):
             self.lock.remove_file()
         self.lock.release()
         if empty:
@@ -223,6 +226,33 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
                                                    fsdp_reduce=cfg.fsdp_reduce)
         self.eval_step = step_lib.make_eval_step(self.graphdef, mesh=self.mesh)
         self.rng = jax.random.key(cfg.seed)
+        self._check_device_memory(optimizer)
+
+    def _check_device_memory(self, optimizer) -> None:
+        """On a GPU, before anything is written: the compiled step against JAX's memory pool; a step that does not
+        fit raises :class:`~jaxgpt.memory_fit.DeviceMemoryError` naming the largest micro-batch that does at the same
+        tokens per step (:mod:`jaxgpt.memory_fit`). On the CPU: nothing (no pool to check)."""
+        from jaxgpt import memory_fit
+        from jaxgpt import step as step_lib
+
+        cfg = self.cfg
+        local = [d for d in self.mesh.devices.flat if d.process_index == self.pindex]
+        pool = memory_fit.device_pool(local)
+        if pool is None:
+            return
+        shape = memory_fit.TrainShape(cfg.batch_size, self.micro_steps, cfg.seq_len, self.pcount)
+
+        def measure(rows: int, jitted=None) -> int:
+            micro_steps = shape.rows_per_step // rows
+            jitted = jitted or step_lib.make_train_step(
+                self.graphdef, optimizer, micro_steps=micro_steps, dropout=self.model_cfg.dropout > 0,
+                mesh=self.mesh, fsdp_reduce=cfg.fsdp_reduce).jitted
+            return memory_fit.train_step_bytes(jitted, self.state, self.mesh, micro_steps=micro_steps,
+                                               rows=rows * self.pcount, seq_len=cfg.seq_len)
+
+        needs = measure(cfg.batch_size, self.train_step.jitted)  # the run's own step: its first call reuses this
+        memory_fit.check_train_step(needs, pool, shape, measure, multiple_of=len(local),
+                                    tokens_option=cfg.total_batch_tokens is None)
 
     def announce(self) -> None:
         """The run's header: model, batch, data, devices, peak FLOP/s, mesh, run directory."""
@@ -254,7 +284,19 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
     # ---- the step loop --------------------------------------------------------------------------------------
     def step_loop(self) -> None:
-        """Optimizer steps from ``start_step`` to ``max_steps``, with evaluations, samples and checkpoints."""
+        """Optimizer steps from ``start_step`` to ``max_steps``, with evaluations, samples and checkpoints. XLA's
+        out-of-memory error on the way becomes :class:`~jaxgpt.memory_fit.OutOfDeviceMemory`, naming the step and the
+        checkpoint to resume from."""
+        from jaxgpt import memory_fit
+
+        try:
+            self._step_loop()
+        except Exception as e:
+            if not memory_fit.out_of_memory(e):
+                raise
+            raise self.out_of_memory(e) from None
+
+    def _step_loop(self) -> None:
         import jax
         from tqdm.auto import tqdm
 
@@ -270,6 +312,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.t_mark = time.perf_counter()
         while step < cfg.max_steps:
             step += 1
+            self.step_in_hand = step
             if debug_sleep:
                 time.sleep(debug_sleep)
             x, y = self.feed.next()

@@ -1,6 +1,7 @@
 """How a run stops early without losing work (mixed into :class:`jaxgpt.train.run.Run`): on SIGTERM / SIGINT
 (:mod:`jaxgpt.train.preempt`) it saves the step in hand; on a failed checkpoint save (a full disk) it stops at
-the next step with one message; and before the first step it checks that the disk can hold what the run keeps.
+the next step with one message; on XLA's out-of-memory error it stops with one line naming the step and the newest
+checkpoint (:mod:`jaxgpt.memory_fit`); and before the first step it checks that the disk can hold what the run keeps.
 
 Disk space (``keep_checkpoints`` checkpoints of the run's size, plus the one being written before the oldest is
 deleted, plus the best one with ``keep_best_checkpoint``) is checked against the free space of ``out_dir``'s
@@ -94,6 +95,32 @@ class Stopping:
             how = "`" + shlex.join(["python", "-m", "jaxgpt.train", *kept, "--resume=auto"]) + "`"
         return (f"Resume with {how} (resume: never refuses a run directory that holds checkpoints; auto continues "
                 f"from step {step}, bit for bit).")
+
+    def out_of_memory(self, e: BaseException) -> Exception:
+        """XLA's out-of-memory error ``e`` in the step loop as one line, an
+        :class:`~jaxgpt.memory_fit.OutOfDeviceMemory`: the step, the newest checkpoint (every saved one was checked;
+        the state in hand is not saved: its buffers were donated to the step that failed) and how to resume."""
+        from jaxgpt.memory_fit import OutOfDeviceMemory, oom_summary
+
+        self.stopped_early = True
+        pending = [s for s, _ in self.pending]
+        self.pending, self.held = [], None  # (the held copy was not yet checked by the step after it)
+        last = self.step_in_hand
+        at = (f"step {last}" if not pending or pending[0] == last else f"one of steps {pending[0]}-{last} (the device "
+              f"runs ahead of the host: the error surfaced at step {last})")
+        try:
+            self.ckpts.wait()  # a save in flight commits first
+        except Exception:  # (its own failure leaves the earlier checkpoints, named below)
+            pass
+        steps = self.ckpts.all_steps()
+        fix = ("free the GPU's memory (another process on it?), or lower batch_size with total_batch_tokens kept (a "
+               "resume allows it: more micro-steps, the same tokens per step)")
+        if not steps:
+            where = f"no checkpoint was written yet: {fix}, then re-run the same command to start the run again"
+        else:
+            where = (f"the newest checkpoint is step {steps[-1]} in {self.ckpts.directory}: {fix}. "
+                     f"{self.resume_hint(steps[-1])}")
+        return OutOfDeviceMemory(f"out of device memory at {at} ({oom_summary(e)}); {where}")
 
     def note_untrained(self) -> None:
         """After resuming, before the first step: what a signal from now until the first step completes leaves
