@@ -248,17 +248,20 @@ def oom_summary(e: BaseException) -> str:
 
 
 # ---- the train step's figure --------------------------------------------------------------------------------------
-def train_step_bytes(jitted: Any, state: Any, mesh: Any, *, micro_steps: int, rows: int, seq_len: int) -> int:
+def train_step_bytes(jitted: Any, state: Any, mesh: Any, *, micro_steps: int, rows: int, seq_len: int,
+                     key: Any = None) -> int:
     """What ``jitted`` (a :func:`jaxgpt.step.make_train_step`'s ``.jitted``) needs per device for a batch of
     ``micro_steps`` x ``rows`` (global rows per micro-step) x ``seq_len``, lowered against ``state`` (arrays, or
-    ShapeDtypeStructs with shardings) and compiled. Compiled as the run will call it, so the run's first step
-    finds the executable in JAX's cache."""
+    ShapeDtypeStructs with shardings) and ``key`` (default: a replicated one) and compiled. Given the arguments
+    exactly as the step function passes them (the state and key placed as it places them; the batch is placed with
+    the batch sharding), the run's first call finds this executable in JAX's cache instead of compiling again."""
     import jax
     import jax.numpy as jnp
 
     from jaxgpt import mesh as mesh_lib
 
     tokens = jax.ShapeDtypeStruct((micro_steps, rows, seq_len), jnp.int32, sharding=mesh_lib.batch_sharding(mesh, 3))
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=mesh_lib.replicated(mesh))
+    if key is None:
+        key = jax.eval_shape(lambda: jax.random.key(0))
+        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=mesh_lib.replicated(mesh))
     return program_bytes(jitted.lower(state, tokens, tokens, key).compile())

@@ -178,8 +178,7 @@ def test_a_refused_run_leaves_an_existing_directory_as_it_was(tmp_path, monkeypa
     from jaxgpt.train import main
 
     monkeypatch.setattr(memory_fit, "device_pool", lambda devices: 1000)
-    monkeypatch.setattr(memory_fit, "train_step_bytes", lambda jitted, state, mesh, *, micro_steps, rows, seq_len:
-                        2000 * rows)
+    monkeypatch.setattr(memory_fit, "train_step_bytes", lambda jitted, state, mesh, *, rows, **kw: 2000 * rows)
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("mine")
@@ -191,11 +190,19 @@ def test_a_refused_run_leaves_an_existing_directory_as_it_was(tmp_path, monkeypa
 def test_train_out_of_memory_while_running_names_the_step_and_the_checkpoint_to_resume_from(tmp_path, monkeypatch,
                                                                                            capsys):
     """Fault injection: the 5th step raises what XLA raises when the device runs out (jax.errors.JaxRuntimeError,
-    RESOURCE_EXHAUSTED). Checkpoint 4 was held for step 5's check, so the newest one on disk is 2."""
+    RESOURCE_EXHAUSTED). Checkpoint 4 was held for step 5's check, so the newest one on disk is 2. The pool is faked
+    (large) so that the check before the first step runs and passes: the first step then reuses the program the
+    check compiled (no compile in that call)."""
+    from jax._src import dispatch, monitoring
+
     from jaxgpt import step as step_lib
     from jaxgpt.train import main
 
     real = step_lib.make_train_step
+    compiles, first_call = [0], []
+
+    def count(event, duration, **kwargs):
+        compiles[0] += event == dispatch.BACKEND_COMPILE_EVENT
 
     def failing_at_step_5(*args, **kwargs):
         step_fn = real(*args, **kwargs)
@@ -205,14 +212,24 @@ def test_train_out_of_memory_while_running_names_the_step_and_the_checkpoint_to_
             calls[0] += 1
             if calls[0] == 5:
                 raise jax.errors.JaxRuntimeError(OOM)
-            return step_fn(*a, **k)
+            before = compiles[0]
+            out = step_fn(*a, **k)
+            if calls[0] == 1:
+                first_call.append(compiles[0] - before)
+            return out
 
         fn.jitted, fn.mesh = step_fn.jitted, step_fn.mesh
         return fn
 
     monkeypatch.setattr(step_lib, "make_train_step", failing_at_step_5)
+    monkeypatch.setattr(memory_fit, "device_pool", lambda devices: 2**40)
+    monitoring.register_event_duration_secs_listener(count)
     out = tmp_path / "run"
-    assert main(TINY + [f"--out_dir={out}", "--eval_interval=0"]) == 2
+    try:
+        assert main(TINY + [f"--out_dir={out}", "--eval_interval=0"]) == 2
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert first_call == [0]  # the check's compiled step was the one the first step ran
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert err[0].startswith(f"error: out of device memory at step 5 ({OOM})")

@@ -232,6 +232,8 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         """On a GPU, before anything is written: the compiled step against JAX's memory pool; a step that does not
         fit raises :class:`~jaxgpt.memory_fit.DeviceMemoryError` naming the largest micro-batch that does at the same
         tokens per step (:mod:`jaxgpt.memory_fit`). On the CPU: nothing (no pool to check)."""
+        import jax
+
         from jaxgpt import memory_fit
         from jaxgpt import step as step_lib
 
@@ -241,14 +243,19 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         if pool is None:
             return
         shape = memory_fit.TrainShape(cfg.batch_size, self.micro_steps, cfg.seq_len, self.pcount)
+        # the state and a step's key as the step function passes them (a key from split, placed as it places it:
+        # lowered otherwise, the run's first call would not find the executable and compile it again)
+        state = step_lib.shard_state(self.state, self.mesh)
+        _, key = jax.random.split(self.rng)  # (unpacked as the step loop does: no other compile)
+        key = step_lib._put_key(key, step_lib.replicated(self.mesh))
 
         def measure(rows: int, jitted=None) -> int:
             micro_steps = shape.rows_per_step // rows
             jitted = jitted or step_lib.make_train_step(
                 self.graphdef, optimizer, micro_steps=micro_steps, dropout=self.model_cfg.dropout > 0,
                 mesh=self.mesh, fsdp_reduce=cfg.fsdp_reduce).jitted
-            return memory_fit.train_step_bytes(jitted, self.state, self.mesh, micro_steps=micro_steps,
-                                               rows=rows * self.pcount, seq_len=cfg.seq_len)
+            return memory_fit.train_step_bytes(jitted, state, self.mesh, micro_steps=micro_steps,
+                                               rows=rows * self.pcount, seq_len=cfg.seq_len, key=key)
 
         needs = measure(cfg.batch_size, self.train_step.jitted)  # the run's own step: its first call reuses this
         memory_fit.check_train_step(needs, pool, shape, measure, multiple_of=len(local),
