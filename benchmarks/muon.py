@@ -88,11 +88,12 @@ def main(argv=None) -> int:
 
     if not args.corpus.is_file():
         sys.exit(f"error: corpus {args.corpus} not found (tiny Shakespeare: shared/data/tinyshakespeare.txt)")
+    from jaxgpt.chars import CharTokenizer
+
     text = args.corpus.read_text()
-    chars = sorted(set(text))
-    lut = {c: i for i, c in enumerate(chars)}
-    ids = np.array([lut[c] for c in text], np.int32)
-    split = int(0.9 * len(ids))
+    chars = CharTokenizer.from_text(text).chars  # jaxgpt's character tokenizer (nanoGPT's shakespeare_char)
+    ids = np.array(CharTokenizer(chars).encode(text), np.int32)
+    split = int(0.9 * len(ids))  # nanoGPT's split, as `python -m jaxgpt.data --tokenizer char` writes it
     train, val = ids[:split], ids[split:]
     budget = args.steps * args.batch * args.seq
     if budget > len(train):

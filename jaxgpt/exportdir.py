@@ -69,6 +69,23 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return m if isinstance(m, dict) and m.get("format") == "jaxgpt-export" else None
 
 
+def export_tokenizer(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The tokenizer record an export of ours carries in its marker (a character model's vocabulary); None:
+    GPT-2's BPE (a Hugging Face directory, or an export of a BPE model). A ``.pt`` file: its archive's record."""
+    path = Path(path)
+    if path.is_dir():
+        m = _read_marker(path) or {}
+    else:
+        try:
+            with zipfile.ZipFile(path) as z:
+                name = next((n for n in z.namelist() if n.endswith("/" + MARKER)), None)
+                m = json.loads(z.read(name)) if name else {}
+        except (OSError, ValueError, zipfile.BadZipFile):
+            m = {}
+    rec = m.get("tokenizer") if isinstance(m, dict) else None
+    return rec if isinstance(rec, dict) else None
+
+
 def _foreign_entries(path: Path) -> list[str] | None:
     """For a directory with our marker: the entries that export did not write (sorted; a subdirectory ends in
     ``/``); None when there is no marker (not ours at all)."""

@@ -62,7 +62,7 @@ from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.precision import Policy
 
 __all__ = ["GenerateError", "argmax", "categorical", "generate", "generate_text", "kth_largest", "load_model",
-           "generate_samples", "load_checkpoint", "main", "sample_logits", "trace_count"]
+           "load_tokenizer", "generate_samples", "load_checkpoint", "main", "sample_logits", "trace_count"]
 
 
 class GenerateError(ValueError):
@@ -304,7 +304,7 @@ def _prompt_array(prompt_ids, config: GPTConfig) -> np.ndarray:
     bad = ids[(ids < 0) | (ids >= config.vocab_size)]
     if bad.size:
         raise TokenError(f"prompt_ids holds token ids outside [0, {config.vocab_size}): e.g. "
-                         f"{bad[:5].tolist()}; ids must come from the GPT-2 tokenizer")
+                         f"{bad[:5].tolist()}; ids must come from the model's tokenizer")
     return ids.astype(np.int32)
 
 
@@ -386,6 +386,7 @@ def generate_text(
     num_samples: int = 1,
     use_cache: bool = True,
     allow_special: bool = False,
+    tokenizer=None,
 ) -> list[str]:
     """``num_samples`` texts: ``prompt`` followed by its sampled continuation, through GPT-2's tokenizer.
 
@@ -396,7 +397,7 @@ def generate_text(
     return [text for text, _ in generate_samples(model, prompt, max_new_tokens=max_new_tokens,
                                                  temperature=temperature, top_k=top_k, seed=seed,
                                                  num_samples=num_samples, use_cache=use_cache,
-                                                 allow_special=allow_special)]
+                                                 allow_special=allow_special, tokenizer=tokenizer)]
 
 
 def generate_samples(
@@ -410,23 +411,33 @@ def generate_samples(
     num_samples: int = 1,
     use_cache: bool = True,
     allow_special: bool = False,
+    tokenizer=None,
 ) -> list[tuple[str, list[int]]]:
     """Like :func:`generate_text`, with each sample's token ids (prompt + continuation); ``prompt`` may also be
-    token ids (checked against the vocabulary), taken as they are."""
-    from jaxgpt.tokenizer import EOT_TOKEN, decode, encode
+    token ids (checked against the vocabulary), taken as they are. ``tokenizer``: the model's (a
+    :class:`jaxgpt.chars.CharTokenizer` for a character model, see :func:`load_tokenizer`; None: GPT-2's BPE).
+    A character vocabulary has no end-of-text token: an empty prompt then starts from id 0 (``"\n"`` in tiny
+    Shakespeare's), which is not returned."""
+    from jaxgpt import tokenizer as tokenizers
 
+    tok = tokenizer if tokenizer is not None else tokenizers.GPT2BPE()
     if isinstance(prompt, str):
-        ids = encode(prompt, allow_eot=allow_special)
+        if allow_special and tok.eot_token is None:
+            raise GenerateError(f"allow_special: the {tok.vocab_size}-character vocabulary has no end-of-text token")
+        try:
+            ids = tok.encode(prompt, allow_eot=allow_special)
+        except ValueError as e:  # a character outside the model's vocabulary
+            raise GenerateError(f"prompt: {e}") from None
     elif isinstance(prompt, Sequence) and all(isinstance(i, (int, np.integer)) for i in prompt):
         ids = [int(i) for i in prompt]
     else:
         raise GenerateError(f"prompt = {prompt!r}: expected a string or a list of token ids")
     skip = 0
     if not ids:
-        ids, skip = [EOT_TOKEN], 1
+        ids, skip = [tok.eot_token or 0], 1
     out = generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                    seed=seed, num_samples=num_samples, use_cache=use_cache)
-    return [(decode(row[skip:].tolist()), row[skip:].tolist()) for row in out]
+    return [(tok.decode(row[skip:].tolist()), row[skip:].tolist()) for row in out]
 
 
 # ---- loading a model ------------------------------------------------------------------------------------
@@ -448,6 +459,26 @@ def load_checkpoint(path: str | Path, *, policy: Policy, step: int | None = None
             raise GenerateError(f"--init-from {str(path)!r}: {e}") from e
         raise GenerateError(f"--init-from {str(path)!r}: not a Hugging Face GPT-2 directory (no config.json), "
                             f"and no jaxgpt training checkpoint could be loaded from it: {e}") from e
+
+
+def load_tokenizer(init_from: str, *, step: int | None = None):
+    """The tokenizer of the model ``load_model(init_from)`` loads: a training run's checkpoint records it, an
+    export records it in ``jaxgpt_export.json``; Hugging Face models and ``random:`` presets use GPT-2's BPE."""
+    from jaxgpt import tokenizer
+
+    path = Path(init_from)
+    record = None
+    if path.is_dir() and not _is_hf_dir(path):
+        from jaxgpt import checkpoint
+
+        if path.name == checkpoint.CHECKPOINT_SUBDIR and not (path / checkpoint.CHECKPOINT_SUBDIR).is_dir():
+            path = path.parent
+        record = checkpoint.saved_tokenizer(path, step=step)
+    elif path.is_dir():
+        from jaxgpt.exportdir import export_tokenizer
+
+        record = export_tokenizer(path)
+    return tokenizer.from_record(record)
 
 
 def _is_hf_dir(path: Path) -> bool:
@@ -566,13 +597,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise GenerateError(f"--seed {args.seed}: must be < 2**32")
         policy = Policy.named(args.precision)
         model = load_model(args.init_from, policy=policy, step=args.step)
+        tok = load_tokenizer(args.init_from, step=args.step)
         t0 = time.perf_counter()
         if args.allow_special and args.prompt_ids is not None:
             raise GenerateError("--allow-special applies to --prompt text; --prompt-ids are taken as they are")
         samples = generate_samples(model, args.prompt if args.prompt_ids is None else args.prompt_ids,
                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                    top_k=args.top_k or None, seed=args.seed, num_samples=args.num_samples,
-                                   use_cache=not args.no_cache, allow_special=args.allow_special)
+                                   use_cache=not args.no_cache, allow_special=args.allow_special, tokenizer=tok)
         dt = time.perf_counter() - t0
     except (ValueError, OSError, ImportError) as e:  # GenerateError, ConfigError, TokenError, DeviceMemoryError, ...
         print(f"error: {e}", file=sys.stderr)

@@ -94,3 +94,55 @@ def encode(text: str, *, allow_eot: bool = False) -> list[int]:
 def decode(ids: Iterable[int]) -> str:
     """Text of token ids (``EOT_TOKEN`` decodes to ``"<|endoftext|>"``); invalid UTF-8 becomes U+FFFD."""
     return get_encoding().decode([int(i) for i in ids])
+
+
+# ---- tokenizers as objects: GPT-2's BPE or a character vocabulary (jaxgpt.chars) ----------------------------
+class GPT2BPE:
+    """GPT-2's BPE behind the interface :class:`jaxgpt.chars.CharTokenizer` shares: ``name``, ``vocab_size``,
+    ``eot_token``, ``encode``, ``decode``, ``record``."""
+
+    name = ENCODING_NAME
+    vocab_size = VOCAB_SIZE
+    eot_token = EOT_TOKEN
+
+    def encode(self, text: str, *, allow_eot: bool = False) -> list[int]:
+        return encode(text, allow_eot=allow_eot)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return decode(ids)
+
+    def record(self) -> dict:
+        return {"name": ENCODING_NAME, "vocab_size": VOCAB_SIZE, "merges_sha256": VOCAB_BPE_SHA256,
+                "eot_token": EOT_TOKEN}
+
+
+def from_record(record: dict | None):
+    """The tokenizer a record describes (a manifest's, a checkpoint's, an export's); None (older files, Hugging
+    Face models): GPT-2's BPE."""
+    from jaxgpt import chars
+
+    name = None if record is None else record.get("name")
+    if name in (None, ENCODING_NAME):
+        return GPT2BPE()
+    if name == chars.NAME:
+        return chars.CharTokenizer.from_record(record)
+    raise TokenizerError(f"unknown tokenizer {name!r} (jaxgpt knows {ENCODING_NAME!r} and {chars.NAME!r})")
+
+
+def describe(record: dict | None) -> str:
+    """``GPT-2 BPE tokens (50,257 ids)`` / ``characters (65 ids)``, for messages."""
+    rec = record or GPT2BPE().record()
+    what = "GPT-2 BPE tokens" if rec.get("name") == ENCODING_NAME else f"{rec.get('name')!r} tokens"
+    if rec.get("name") == "char":
+        what = "characters"
+    return f"{what} ({int(rec.get('vocab_size') or 0):,} ids)"
+
+
+def same(a: dict | None, b: dict | None) -> bool:
+    """Whether two records describe the same ids: the name and, for BPE its merges, for characters the vocabulary."""
+    a, b = a or GPT2BPE().record(), b or GPT2BPE().record()
+    if a.get("name") != b.get("name"):
+        return False
+    if a.get("name") == "char":
+        return a.get("chars") == b.get("chars")
+    return a.get("merges_sha256", VOCAB_BPE_SHA256) == b.get("merges_sha256", VOCAB_BPE_SHA256)

@@ -282,7 +282,10 @@ def save_hf(model: GPT, out_dir: str | os.PathLike, *, params: nnx.State | None 
         hf_config = config.hf_config()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_tokenizer_files(tmp, hf_config)
+        if ((source or {}).get("tokenizer") or {}).get("name") == "char":  # its vocabulary is in the marker
+            (tmp / "generation_config.json").write_text("{}\n")
+        else:
+            write_tokenizer_files(tmp, hf_config)
     return out
 
 

@@ -308,3 +308,52 @@ def test_library_defaults_differ():
     for optax_w, torch_w in [(run_optax(optax.adagrad(1e-2)), run_torch(torch.optim.Adagrad)),
                              (run_optax(optax.rmsprop(1e-2)), run_torch(torch.optim.RMSprop))]:
         assert np.abs(optax_w - torch_w).max() > 1e-3
+
+
+# ---- a character model: nanoGPT's shakespeare_char recipe, step by step --------------------------------------------
+def test_char_model_nanogpt_recipe_20_steps(device, tmp_path):
+    """configs/shakespeare-char-cpu.yaml's model (4 layers, C = 128, 65 characters, no biases) from jaxgpt's own
+    initialisation, on the recipe's real batches of tiny Shakespeare characters (jaxgpt.data's loader), with its
+    optimizer (AdamW lr 1e-3, beta2 0.99, decay 0.1, clip 1.0; warmup 5 and a cosine to 1e-4 at step 20 so the
+    20 steps see the whole schedule): every step's loss and the final parameters agree with torch_ref."""
+    import os
+    from pathlib import Path
+
+    from jaxgpt import data as data_lib
+    from jaxgpt.train import TrainConfig
+    from jaxgpt.train.run import build_model
+    from tolerances import CHAR_TRAIN_PARAM_REL
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    text = Path(os.environ.get("JAXGPT_SHAKESPEARE", shared))
+    if not text.is_file():
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"tiny Shakespeare not at {text}")
+    recipe = TrainConfig.load(Path(__file__).resolve().parents[1] / "configs" / "shakespeare-char-cpu.yaml")
+    shards = data_lib.prepare([str(text)], tmp_path / "char", tokenizer="char", name="shakespeare", verbose=False)
+    loader = data_lib.DataLoader(shards, "train", recipe.batch_size, recipe.seq_len, mode="random", seed=recipe.seed)
+    data = [tuple(a.reshape(1, recipe.batch_size, recipe.seq_len) for a in loader.next_batch()) for _ in range(20)]
+    cfg = recipe.optim.replace(warmup_steps=5, decay_steps=20)
+    model = build_model(recipe, POLICY)  # jaxgpt's init of the recipe's seed, as a run starts
+    assert model.config.vocab_rows == 65 and not model.config.bias
+    ref = RefGPT(model.config)
+    ref.load_state_dict(to_torch_state_dict(model))
+    ref = ref.to(device)
+    with on_device(device):
+        mesh = data_mesh([jax_device(device)])
+        optimizer = make_optimizer(cfg)
+        graphdef, state = init_train_state(model, optimizer, mesh=mesh)
+        step = make_train_step(graphdef, optimizer, micro_steps=1, mesh=mesh)
+        jax_losses = []
+        for x, y in data:
+            state, m = step(state, x, y)
+            jax_losses.append(float(m["loss"]))
+    ref_losses = ref_train.train_steps(ref, data, cfg)
+
+    assert jax_losses[0] > 4.0 and jax_losses[-1] < 3.0  # from ln 65 = 4.17 down: it learns characters
+    loss_diffs = [abs(a - b) for a, b in zip(jax_losses, ref_losses, strict=True)]
+    mine = params_to_ref(state.params)
+    rel = {k: float(np.abs(mine[k] - t.detach().cpu().numpy()).max() / np.abs(t.detach().cpu().numpy()).max())
+           for k, t in ref.state_dict().items()}
+    report(f"char model 20 steps [{device}]", loss_diffs, rel)
+    assert max(loss_diffs) <= TRAIN_LOSS_ABS, loss_diffs
+    assert max(rel.values()) <= CHAR_TRAIN_PARAM_REL, {k: v for k, v in rel.items() if v > CHAR_TRAIN_PARAM_REL}

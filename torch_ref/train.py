@@ -204,3 +204,107 @@ def update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: "Optim
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
     optimizer.step()
     return float(norm)
+
+
+# ---- a whole run: `python -m torch_ref.train --config configs/shakespeare-char-cpu.yaml` -------------------------
+def evaluate(model: torch.nn.Module, loader: Any, start: dict[str, Any], batches: int) -> float:
+    """Mean loss of the val loader's first ``batches`` batches (from its position ``start``), as jaxgpt's run."""
+    model.eval()
+    loader.load_state_dict(start)
+    with torch.no_grad():
+        losses = [float(model(torch.as_tensor(x, dtype=torch.long), torch.as_tensor(y, dtype=torch.long))[1])
+                  for x, y in (loader.next_batch() for _ in range(batches))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def run(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """jaxgpt.train's run of ``config`` in torch: the same initial weights (jaxgpt's init of the config's seed),
+    the same batches (jaxgpt's DataLoader, same seed and mode), the same schedule and evaluations (the same first
+    ``eval_steps`` val batches at step 0, every ``eval_interval`` and the end). Writes ``metrics.jsonl``,
+    ``samples.txt`` and ``summary.json`` to ``out_dir`` (default: the config's + ``-torch``)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from jaxgpt import data as data_lib, tokenizer
+    from jaxgpt.precision import Policy
+    from jaxgpt.train.config import TrainConfig
+    from jaxgpt.train.run import build_model
+    from jaxgpt.weights import to_torch_state_dict
+    from torch_ref.model import GPT
+
+    cfg = TrainConfig.load(config, overrides)
+    t0 = time.perf_counter()
+    out = Path(overrides.get("out_dir") or cfg.out_dir + "-torch")
+    out.mkdir(parents=True, exist_ok=True)
+    data_dir = data_lib.ensure_prepared(cfg.data_source, cfg.resolved_data_dir(), tokenizer=cfg.tokenizer)
+    tok = tokenizer.from_record(data_lib.manifest_tokenizer(data_dir))
+    micro = cfg.micro_steps()
+    train = data_lib.DataLoader(data_dir, "train", cfg.batch_size * micro, cfg.seq_len, mode=cfg.loader_mode,
+                                seed=cfg.seed)
+    val = data_lib.DataLoader(data_dir, "val", cfg.batch_size, cfg.seq_len, mode="sequential", seed=cfg.seed)
+    val_start, n_eval = val.state_dict(), min(cfg.eval_steps, val.batches_per_epoch)
+    jax_model = build_model(cfg, Policy.named("fp32"))  # jaxgpt's initial weights, exactly
+    model = GPT(jax_model.config)
+    model.load_state_dict(to_torch_state_dict(jax_model))
+    del jax_model
+    torch.manual_seed(cfg.seed)
+    optimizer = make_optimizer(model, cfg.optim)
+    records = [{"type": "eval", "step": 0, "val_loss": evaluate(model, val, val_start, n_eval)}]
+    print(f"step 0: val loss {records[-1]['val_loss']:.4f}", flush=True)
+    t_train = time.perf_counter()
+    for step in range(1, cfg.max_steps + 1):
+        x, y = train.next_batch()
+        x = torch.as_tensor(x.reshape(micro, cfg.batch_size, cfg.seq_len), dtype=torch.long)
+        y = torch.as_tensor(y.reshape(micro, cfg.batch_size, cfg.seq_len), dtype=torch.long)
+        optimizer.zero_grad(set_to_none=True)
+        loss = accumulate_grads(model, x, y)
+        norm = update(model, optimizer, cfg.optim, step - 1)
+        records.append({"type": "train", "step": step, "loss": loss, "grad_norm": norm,
+                        "lr": get_lr(cfg.optim, step - 1)})
+        if (cfg.eval_interval and step % cfg.eval_interval == 0) or step == cfg.max_steps:
+            records.append({"type": "eval", "step": step, "val_loss": evaluate(model, val, val_start, n_eval)})
+            print(f"step {step}: train loss {loss:.4f}, val loss {records[-1]['val_loss']:.4f}", flush=True)
+    train_s = time.perf_counter() - t_train
+    model.eval()
+    prompt = tok.encode(cfg.sample_prompt) or [tok.eot_token or 0]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    idx = model.generate(torch.tensor([prompt] * cfg.sample_num), cfg.sample_len, temperature=cfg.sample_temperature,
+                         top_k=cfg.sample_top_k or None, generator=gen)
+    samples = [tok.decode(row.tolist()) for row in idx]
+    (out / "samples.txt").write_text("".join(f"--- sample {i} (step {cfg.max_steps}) ---\n{t}\n"
+                                             for i, t in enumerate(samples)))
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    evals = [r for r in records if r["type"] == "eval"]
+    best = min(evals, key=lambda r: r["val_loss"])
+    summary = {"steps": cfg.max_steps, "val_loss": evals[-1]["val_loss"], "best_val_loss": best["val_loss"],
+               "best_val_step": best["step"], "train_s": train_s, "wall_s": time.perf_counter() - t0,
+               "torch_threads": torch.get_num_threads(), "config": str(config)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"done: best val loss {best['val_loss']:.4f} (step {best['step']}), {summary['wall_s']:.1f} s wall; "
+          f"{out}\n" + "\n".join(samples), flush=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torch_ref.train --config FILE [--key=value ...]`` (jaxgpt.train's dotted overrides)."""
+    import argparse
+
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m torch_ref.train", description=run.__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    args, rest = p.parse_known_args(argv)
+    overrides = {}
+    for item in rest:
+        key, sep, value = item.removeprefix("--").partition("=")
+        if not item.startswith("--") or not sep:
+            p.error(f"{item!r}: overrides are --key=value")
+        overrides[key] = yaml.safe_load(value)
+    run(args.config, overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -5,6 +5,7 @@ and write at most 8 files under ``$OUT`` (the device tool's limits; any GPU box 
     python -m benchmarks.gpu.session ab        # gpt2-medium rows, then jaxgpt's one-knob A/B at b=32    (~8 min)
     python -m benchmarks.gpu.session profile   # the traced step at b=32 and its summary, e2e training   (~6 min)
     python -m benchmarks.gpu.session parity    # pytest parity_tests on the GPU (the CUDA-only tests)     (~5 min)
+    python -m benchmarks.gpu.session char      # nanoGPT's GPU recipe, configs/shakespeare-char.yaml       (~2 min)
     python -m benchmarks.gpu.session PART --dry   # the same part on the CPU at tiny shapes (tests, rehearsal)
 
 Results go to ``$OUT`` when it is set (the device tool), else to ``benchmarks/results``; each part prints its
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from benchmarks import common
 
-PARTS = ("table", "ab", "profile", "parity")
+PARTS = ("table", "ab", "profile", "parity", "char")
 TEXTS = (common.ROOT.parent / "shared" / "data" / "tinyshakespeare.txt",
          common.ROOT / ".gpu_carry" / "tinyshakespeare.txt")
 
@@ -72,6 +73,22 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
                 [*py, "benchmarks.gpu.e2e_check", str(run), str(out / "train_step-gpu-e2e-harness.json"),
                  "--batch", str(b), "--out", str(out / "e2e-check.json")] + (["--tolerance", "10"] if dry else []),
                 ["cp", str(run / "metrics.jsonl"), str(out / "e2e-metrics.jsonl")]]
+    if part == "char":
+        # nanoGPT's first run on a GPU (config/train_shakespeare_char.py: best val loss 1.4697, ~3 A100 minutes):
+        # the characters of the same text, 5,000 iterations; summary.json has the best val loss and the wall time
+        if text is None:
+            raise SystemExit("the char part needs the text of tiny Shakespeare: --text PATH")
+        run, shards = common.TMP / f"char-run-{int(time.time())}", common.TMP / "char-shards"
+        tiny = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--batch_size=4", "--seq_len=32",
+                "--max_steps=20", "--eval_interval=10", "--eval_steps=2", "--checkpoint_interval=10",
+                "--sample_len=16", "--precision=fp32"] if dry else []
+        return [[*py, "jaxgpt.data", "--input", str(text), "--name", "shakespeare", "--tokenizer", "char",
+                 "--out", str(shards), "--quiet"],
+                [*py, "jaxgpt.train", "--config", str(common.ROOT / "configs" / "shakespeare-char.yaml"), *tiny,
+                 f"--data_dir={shards}", f"--out_dir={run}", "--progress=false", "--tensorboard=false"],
+                ["cp", str(run / "summary.json"), str(out / "shakespeare-char-summary.json")],
+                ["cp", str(run / "metrics.jsonl"), str(out / "shakespeare-char-metrics.jsonl")],
+                ["cp", str(run / "samples.txt"), str(out / "shakespeare-char-samples.txt")]]
     if part == "parity":
         return [[*py, "pytest", "-q", "-p", "no:cacheprovider", str(common.ROOT / "parity_tests"),
                  "--junitxml", str(out / "parity-junit.xml")]]

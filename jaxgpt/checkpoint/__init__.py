@@ -47,14 +47,14 @@ Modules: :mod:`~jaxgpt.checkpoint.manager` (:class:`Checkpoints`), :mod:`~jaxgpt
 """
 
 from jaxgpt.checkpoint.cli import main
-from jaxgpt.checkpoint.export import export, load_model, load_model_and_step
+from jaxgpt.checkpoint.export import export, load_model, load_model_and_step, saved_tokenizer
 from jaxgpt.checkpoint.integrity import CheckpointDamaged, tree_digests
 from jaxgpt.checkpoint.manager import (ASIDE, CHECKPOINT_SUBDIR, ITEMS, CheckpointMismatchError, Checkpoints,
                                        NoCheckpointError, Restored, StepState, check_compatible, checkpoint_dir,
                                        config_mismatches, key_from_json, key_to_json)
 
 __all__ = [
-    "main", "export", "load_model", "load_model_and_step", "CheckpointDamaged", "tree_digests", "ASIDE",
+    "main", "export", "load_model", "load_model_and_step", "saved_tokenizer", "CheckpointDamaged", "tree_digests", "ASIDE",
     "CHECKPOINT_SUBDIR", "ITEMS", "CheckpointMismatchError", "Checkpoints", "NoCheckpointError", "Restored",
     "StepState", "check_compatible", "checkpoint_dir", "config_mismatches", "key_from_json", "key_to_json",
 ]

@@ -47,6 +47,20 @@ def load_model_and_step(run_dir: str | os.PathLike, *, step: int | None = None, 
     return nnx.merge(graphdef, r.params), r.step
 
 
+def saved_tokenizer(run_dir: str | os.PathLike, *, step: int | None = None) -> dict | None:
+    """The tokenizer record a run's checkpoint ``step`` (default: the newest readable one) was trained with
+    (``meta.extra.tokenizer``); None for GPT-2 (checkpoints from before it was recorded say nothing: GPT-2)."""
+    from jaxgpt.checkpoint.integrity import CheckpointDamaged
+
+    with Checkpoints(run_dir, read_only=True) as ckpts:
+        for s in [step] if step is not None else reversed(ckpts.all_steps()):
+            try:
+                return (ckpts.saved_meta(s).get("extra") or {}).get("tokenizer")
+            except CheckpointDamaged:
+                continue
+    return None
+
+
 def _restore_newest_params(ckpts: Checkpoints, abstract_params, report):
     from jaxgpt.checkpoint.integrity import CheckpointDamaged
     from jaxgpt.checkpoint.manager import NoCheckpointError
@@ -84,7 +98,8 @@ def export(run_dir: str | os.PathLike, *, to_hf: str | os.PathLike | None = None
         raise exportdir.ExportError(f"--to-torch {str(to_torch)!r} is inside --to-hf {str(to_hf)!r}, which the "
                                     "Hugging Face export replaces as a whole; put the state_dict elsewhere")
     model, loaded = load_model_and_step(run_dir, step=step, report=report)
-    source = {"run_dir": str(Path(run_dir).absolute()), "step": loaded}
+    source = {"run_dir": str(Path(run_dir).absolute()), "step": loaded,
+              "tokenizer": saved_tokenizer(run_dir, step=loaded)}  # (a character vocabulary travels with it)
     out: dict[str, Path] = {}
     if hf is not None:
         out["hf"] = weights.save_hf(model, hf, overwrite=True, source=source)  # the target was checked above

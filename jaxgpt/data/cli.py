@@ -18,7 +18,8 @@ from jaxgpt.data.sources import NAMED_SOURCES
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jaxgpt.data",
-        description="Tokenize a corpus with GPT-2 BPE into uint16 train/val shards (see the jaxgpt.data docstring).",
+        description="Tokenize a corpus with GPT-2 BPE (or characters) into uint16 train/val shards (see the "
+                    "jaxgpt.data docstring).",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--source", choices=sorted(NAMED_SOURCES), help="a named corpus")
@@ -32,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", help="configuration of a hub --hf-dataset")
     p.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION, help="in [0, 1) (default: 0.1)")
     p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, help="tokens per shard (default: 1e8)")
+    p.add_argument("--tokenizer", choices=["gpt2", "char"], default="gpt2",
+                   help="gpt2: GPT-2's BPE (default); char: nanoGPT's shakespeare_char, the sorted set of the text's "
+                        "characters (65 for tiny Shakespeare), recorded in the manifest")
     p.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (default: 1)")
     p.add_argument("--cache-dir", help="download cache (default: $JAXGPT_CACHE_DIR or ~/.cache/jaxgpt)")
     p.add_argument("--force", action="store_true", help="rewrite shards even if up to date")
@@ -45,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = prepare(source, args.out, val_fraction=args.val_fraction, shard_size=args.shard_size,
                       num_proc=args.num_proc, name=args.name, text_column=args.text_column, hf_split=args.hf_split,
-                      hf_config=args.hf_config, cache_dir=args.cache_dir, force=args.force, verbose=not args.quiet)
+                      hf_config=args.hf_config, cache_dir=args.cache_dir, force=args.force, verbose=not args.quiet,
+                      tokenizer=args.tokenizer)
         if not args.quiet:
             for split in SPLITS:
                 if _read_json(out / MANIFEST_NAME)["splits"][split]["shards"]:

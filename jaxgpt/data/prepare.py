@@ -25,6 +25,7 @@ from jaxgpt.data.common import DataError, _log, _read_json, atomic_write_json
 from jaxgpt.data.corpus import Corpus
 from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, MANIFEST_NAME, SPLITS, ShardWriter,
                                 encode_document, shard_filename, tokenizer_record)
+from jaxgpt.chars import NAME as CHAR_TOKENIZER, CharTokenizer, CharTokenizerError
 from jaxgpt.rundir import LOCK_NAME
 from jaxgpt.data.sources import resolve_source
 
@@ -33,10 +34,17 @@ DEFAULT_SHARD_SIZE = 100_000_000  # tokens (200 MB) per shard, as build-nanogpt'
 DEFAULT_VAL_FRACTION = 0.1
 
 
-def _tokenized(corpus: Corpus, num_proc: int, progress: bool) -> Iterator[UInt16[np.ndarray, " n"]]:
-    """Each document's tokens, in order; with ``num_proc > 1`` encoded by a spawn-started process pool."""
+def _tokenized(corpus: Corpus, num_proc: int, progress: bool, chars: CharTokenizer | None = None
+               ) -> Iterator[UInt16[np.ndarray, " n"]]:
+    """Each document's tokens, in order; with ``num_proc > 1`` encoded by a spawn-started process pool. With
+    ``chars``: each document's character ids, no separator (nanoGPT's shakespeare_char)."""
     bar = tqdm(total=corpus.num_documents, unit="doc", desc=f"tokenizing {corpus.name}", disable=not progress)
     try:
+        if chars is not None:
+            for text in corpus.documents():
+                bar.update(1)
+                yield np.asarray(chars.encode(text), dtype=np.uint16)
+            return
         if num_proc <= 1:
             for arr in map(encode_document, corpus.documents()):
                 bar.update(1)
@@ -72,12 +80,18 @@ def _write_splits(corpus: Corpus, writers: dict[str, ShardWriter], val_fraction:
     writers["val"].add(stream[cut:])
 
 
-def _settings(val_fraction: float, shard_size: int) -> dict[str, Any]:
-    return {"val_fraction": val_fraction, "shard_size": shard_size, "tokenizer": tokenizer.ENCODING_NAME,
+TOKENIZERS = (tokenizer.ENCODING_NAME, CHAR_TOKENIZER)  # "gpt2", "char"
+
+
+def _settings(val_fraction: float, shard_size: int, tokenizer_name: str = tokenizer.ENCODING_NAME) -> dict[str, Any]:
+    return {"val_fraction": val_fraction, "shard_size": shard_size, "tokenizer": tokenizer_name,
             "version": FORMAT_VERSION}
 
 
-def _check_settings(val_fraction: float, shard_size: int, num_proc: int) -> None:
+def _check_settings(val_fraction: float, shard_size: int, num_proc: int, tokenizer_name: str = "gpt2") -> None:
+    if tokenizer_name not in TOKENIZERS:
+        raise DataError(f"tokenizer = {tokenizer_name!r}: allowed values are {list(TOKENIZERS)} (GPT-2's BPE, or "
+                        "nanoGPT's characters)")
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction = {val_fraction!r}: must be a number in [0, 1)")
     for field_name, v in (("shard_size", shard_size), ("num_proc", num_proc)):
@@ -143,6 +157,7 @@ def prepare(
     option: str = "--out",
     wait_s: float | None = 0,
     use_existing: bool = False,
+    tokenizer: str = "gpt2",
 ) -> Path:
     """Tokenize ``source`` into train/val shards in ``out_dir`` and return ``out_dir``.
 
@@ -159,9 +174,11 @@ def prepare(
     check again. ``use_existing=True``: shards already in ``out_dir`` (:func:`is_prepared`: a manifest of any
     source, or shards without one) are used as they are, also when another process finished them while this
     one waited. ``option`` names the caller's setting for ``out_dir`` in error messages (``"--out"``,
-    ``"data_dir"``).
+    ``"data_dir"``). ``tokenizer``: ``"gpt2"`` (BPE, an ``<|endoftext|>`` before every document) or ``"char"``
+    (nanoGPT's shakespeare_char: the sorted set of the corpus's characters, no separator; the vocabulary is
+    recorded in the manifest and the shard headers).
     """
-    _check_settings(val_fraction, shard_size, num_proc)
+    _check_settings(val_fraction, shard_size, num_proc, tokenizer)
     out = Path(out_dir)
     if use_existing and is_prepared(out):
         return out
@@ -169,7 +186,7 @@ def prepare(
                             cache_dir=cache_dir, verbose=verbose)
     if corpus.num_documents == 0:
         raise DataError(f"{corpus.source} has no documents; nothing to tokenize")
-    settings = _settings(val_fraction, shard_size)
+    settings = _settings(val_fraction, shard_size, tokenizer)
     with _writing(out, option, wait_s, verbose):
         if use_existing and is_prepared(out):
             if verbose:
@@ -253,9 +270,10 @@ def _writing(out: Path, option: str, wait_s: float | None, verbose: bool) -> Ite
 
 
 def _check_not_empty(corpus: Corpus, writers: dict[str, ShardWriter], val_fraction: float, out: Path,
-                     option: str) -> None:
+                     option: str, separated: bool = True) -> None:
     counts = {s: w.num_tokens for s, w in writers.items()}
-    text = sum(counts.values()) - corpus.num_documents  # every document adds one <|endoftext|>
+    separators = corpus.num_documents if separated else 0  # GPT-2: every document adds one <|endoftext|>
+    text = sum(counts.values()) - separators
     nothing = f"nothing was written to {out}"
     settings = ("" if option == "--out" else
                 f" (prepare {out} with other settings first: `python -m jaxgpt.data ... --out {out} --val-fraction F`)")
@@ -281,15 +299,20 @@ def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc:
     committing = False
     try:
         meta = {"source": corpus.source, "route": corpus.route, "source_sha256": corpus.sha256}
+        chars, record = None, tokenizer_record()
+        if settings["tokenizer"] == CHAR_TOKENIZER:  # nanoGPT: the vocabulary of the whole text, both splits
+            chars = _char_vocabulary(corpus)
+            record = chars.record()
+            meta = {**meta, "tokenizer": CHAR_TOKENIZER, "vocab_size": chars.vocab_size, "eot_token": None}
         writers = {s: ShardWriter(staging, corpus.name, s, settings["shard_size"], meta) for s in SPLITS}
-        _write_splits(corpus, writers, settings["val_fraction"], _tokenized(corpus, num_proc, verbose))
-        _check_not_empty(corpus, writers, settings["val_fraction"], out, option)
+        _write_splits(corpus, writers, settings["val_fraction"], _tokenized(corpus, num_proc, verbose, chars))
+        _check_not_empty(corpus, writers, settings["val_fraction"], out, option, separated=chars is None)
         headers = {s: w.close() for s, w in writers.items()}
         manifest = {
             "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "name": corpus.name, "source": corpus.source,
             "route": corpus.route, "source_sha256": corpus.sha256, "num_documents": corpus.num_documents,
             "split_mode": split_mode(corpus.num_documents, settings["val_fraction"]), "settings": settings,
-            "tokenizer": tokenizer_record(),
+            "tokenizer": record,
             "splits": {s: {"num_tokens": sum(h["num_tokens"] for h in hs),
                            "shards": [{"file": shard_filename(corpus.name, s, h["index"]),
                                        "num_tokens": h["num_tokens"]} for h in hs]}
@@ -314,6 +337,13 @@ def _build_shards(corpus: Corpus, out: Path, settings: dict[str, Any], num_proc:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+def _char_vocabulary(corpus: Corpus) -> CharTokenizer:
+    try:
+        return CharTokenizer.from_text(corpus.documents())
+    except CharTokenizerError as e:
+        raise EmptySplit(f"{corpus.source}: {e}; nothing was written. Pass a corpus with text") from None
 
 
 class DataWriteFailed(DataError, diskspace.WriteFailed):

@@ -153,9 +153,30 @@ def _describe(shards: Sequence[Shard], limit: int = 8) -> str:
 
 
 def tokenizer_record() -> dict[str, Any]:
-    """What a manifest records of the tokenizer its shards were made with."""
+    """What a manifest records of the tokenizer its shards were made with (GPT-2's BPE; a character vocabulary
+    records :meth:`jaxgpt.chars.CharTokenizer.record`)."""
     return {"name": tokenizer.ENCODING_NAME, "vocab_size": tokenizer.VOCAB_SIZE,
             "merges_sha256": tokenizer.VOCAB_BPE_SHA256, "eot_token": tokenizer.EOT_TOKEN}
+
+
+def manifest_tokenizer(data: str | Path) -> dict[str, Any] | None:
+    """The tokenizer record of a shard directory's manifest (None: no manifest or an older one, i.e. GPT-2)."""
+    data = Path(data)
+    rec = (_read_json(data / MANIFEST_NAME) or {}).get("tokenizer") if data.is_dir() else None
+    return rec if isinstance(rec, dict) else None
+
+
+def check_tokenizer_matches(data: str | Path, model_tokenizer: dict[str, Any] | None, whose: str) -> None:
+    """One line refusing shards made with another tokenizer than the model's (``whose``: "the checkpoint in
+    runs/x", "the model"): character ids fed to a GPT-2 model or BPE ids to a character model mean other text."""
+    rec = manifest_tokenizer(data)
+    if not tokenizer.same(rec, model_tokenizer):
+        want = "char" if (model_tokenizer or {}).get("name") == "char" else "gpt2"
+        how = ("the same characters" if want == "char" and (rec or {}).get("name") == "char"
+               else tokenizer.describe(model_tokenizer))
+        raise DataError(f"{data} holds {tokenizer.describe(rec)} but {whose} was trained on "
+                        f"{tokenizer.describe(model_tokenizer)}: its ids would mean other text; use shards made with "
+                        f"{how} (`python -m jaxgpt.data ... --tokenizer {want} --out DIR`)")
 
 
 def vocab_fix(data: str | Path, vocab_size: int, top: int) -> str:
@@ -181,7 +202,8 @@ def first_bad_id(shard: Shard, vocab_size: int, chunk: int = 1 << 24) -> tuple[i
 
 
 def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[str] = SPLITS, *,
-                           scan_max_tokens: int | None = None) -> None:
+                           scan_max_tokens: int | None = None, model_tokenizer: dict[str, Any] | None = None,
+                           whose: str = "the model") -> None:
     """Refuse shards a model with ``vocab_size`` ids cannot train on, before the first step: a manifest naming
     another tokenizer (name or merges) or a larger vocabulary, or a shard holding an id ``>= vocab_size``.
 
@@ -189,14 +211,21 @@ def check_shards_for_model(data: str | Path, vocab_size: int, splits: Sequence[s
     or by another tool) is read whole when it has at most ``scan_max_tokens`` tokens (a val split, usually:
     tens of milliseconds), and otherwise left to the batch-by-batch check (:class:`DataLoader` with
     ``vocab_size``). Errors name the shard, and for a read shard the token offset and the id.
-    ``scan_max_tokens``: default :data:`SCAN_MAX_TOKENS`; 0 reads none."""
+    ``scan_max_tokens``: default :data:`SCAN_MAX_TOKENS`; 0 reads none. ``model_tokenizer``: the record of the
+    model's tokenizer (None: GPT-2's); shards of another (characters for a BPE model, or the reverse) are refused
+    in one line naming ``whose`` tokenizer it is."""
     scan_max_tokens = SCAN_MAX_TOKENS if scan_max_tokens is None else scan_max_tokens
     data = Path(data)
     manifest = _read_json(data / MANIFEST_NAME) if data.is_dir() else None
     rec = (manifest or {}).get("tokenizer")
     ours = tokenizer_record()
+    if isinstance(rec, dict) and (rec.get("name") == "char" or (model_tokenizer or {}).get("name") == "char"):
+        check_tokenizer_matches(data, model_tokenizer, whose)
+        ours = rec  # (the same characters: checked above)
+    elif model_tokenizer is not None and model_tokenizer.get("name") == "char":
+        check_tokenizer_matches(data, model_tokenizer, whose)  # no manifest record: GPT-2's shards
     if isinstance(rec, dict):
-        if rec.get("name") != ours["name"] or rec.get("merges_sha256") != ours["merges_sha256"]:
+        if rec.get("name") != ours["name"] or rec.get("merges_sha256") != ours.get("merges_sha256"):
             raise DataError(f"{data}: the shards were made with tokenizer {rec.get('name')!r} (merges sha256 "
                             f"{str(rec.get('merges_sha256'))[:12]}...), but jaxgpt tokenizes with {ours['name']!r} "
                             f"(merges sha256 {ours['merges_sha256'][:12]}...): its ids mean other text to this "

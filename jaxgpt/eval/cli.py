@@ -102,8 +102,11 @@ def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
     else:
         from jaxgpt.eval import val_loss
 
+        from jaxgpt.generate import load_tokenizer
+
         summary = val_loss.evaluate(model, prepared["data"], split=args.split, batch_size=args.batch_size,
-                                    seq_len=args.seq_len, limit=args.limit, progress=not args.no_progress)
+                                    seq_len=args.seq_len, limit=args.limit, progress=not args.no_progress,
+                                    tokenizer=load_tokenizer(args.init_from, step=args.step).record())
         summary.update(task="val-loss", data=str(prepared["data"]))
     summary.update(init_from=args.init_from, precision=args.precision)
     return summary

@@ -30,15 +30,26 @@ def byte_lengths() -> np.ndarray:
     return lens
 
 
+def char_byte_lengths(record: dict[str, Any]) -> np.ndarray:
+    """UTF-8 bytes of each character of a character vocabulary (:mod:`jaxgpt.chars`)."""
+    return np.array([len(c.encode("utf-8")) for c in record["chars"]], np.int64)
+
+
 def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: int = 8, seq_len: int | None = None,
-             limit: int | None = None, progress: bool = False) -> dict[str, Any]:
-    """``loss``, ``perplexity``, ``bits_per_byte``, ``tokens``, ``bytes``, ``batches`` of ``model`` on ``data``."""
+             limit: int | None = None, progress: bool = False, tokenizer: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """``loss``, ``perplexity``, ``bits_per_byte``, ``tokens``, ``bytes``, ``batches`` of ``model`` on ``data``.
+    ``tokenizer``: the record of the model's tokenizer (None: GPT-2's); shards of another are refused."""
     import jax
     from flax import nnx
     from tqdm.auto import tqdm
 
-    from jaxgpt.data import DataError, DataLoader
+    from jaxgpt.data import DataError, DataLoader, check_tokenizer_matches
 
+    try:
+        check_tokenizer_matches(data, tokenizer, "the model")  # characters vs BPE: one line
+    except DataError as e:
+        raise EvalError(str(e)) from None
     seq_len = seq_len or model.config.block_size
     if seq_len > model.config.block_size:
         raise EvalError(f"seq_len = {seq_len}: must be <= the model's block_size ({model.config.block_size})")
@@ -52,7 +63,7 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
         return losses.sum()
 
     _check_memory(loss_sum, state, batch_size, seq_len)
-    lens = byte_lengths()
+    lens = char_byte_lengths(tokenizer) if (tokenizer or {}).get("name") == "char" else byte_lengths()
     total, tokens, nbytes = 0.0, 0, 0
     t0 = time.perf_counter()
     for _ in tqdm(range(n), unit="batch", desc=f"{split} loss", disable=not progress):

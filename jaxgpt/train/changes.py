@@ -27,6 +27,7 @@ REFUSED = {
     "seed": "the data order and dropout masks of the saved run follow from its seed",
     "seq_len": "the data position counts windows of the saved sequence length",
     "loader_mode": "the data position belongs to the saved loader mode",
+    "tokenizer": "the model's ids are the saved tokenizer's",
 }
 _MODEL_FREE = frozenset({"model.dropout"})
 GLOBAL_BATCH = "tokens per optimizer step"

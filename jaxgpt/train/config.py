@@ -33,7 +33,8 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     # ---- data -------------------------------------------------------------------------------------------
     data_source: str = "shakespeare"  # a jaxgpt.data source: "shakespeare", "hf:NAME_OR_FILES", text globs
-    data_dir: str | None = None  # shards directory (prepared there if missing); None: data_cache/<source>
+    data_dir: str | None = None  # shards directory (prepared there if missing); None: data_cache/<source>[-char]
+    tokenizer: Literal["gpt2", "char"] = "gpt2"  # of data_dir's shards: GPT-2 BPE, or characters (jaxgpt.chars)
     loader_mode: Literal["sequential", "random"] = "random"
     batch_size: int = 8  # micro batch (rows per forward/backward), per process
     seq_len: int = 256
@@ -96,6 +97,9 @@ class TrainConfig:
         for field in ("spike_loss_factor", "spike_grad_norm_factor"):
             check(field, getattr(self, field) == 0 or getattr(self, field) > 1, "must be 0 (off) or a factor > 1")
         check("spike_window", self.spike_window >= 1, "must be an integer >= 1")
+        check("tokenizer", self.tokenizer in ("gpt2", "char"), "allowed values are ['gpt2', 'char']")
+        check("tokenizer", self.tokenizer == "gpt2" or self.init_from == "scratch",
+              f"init_from: {self.init_from} is a GPT-2 model, whose ids are GPT-2 BPE tokens; use tokenizer: gpt2")
         check("fsdp_reduce", self.fsdp_reduce in ("micro_step", "step"), "allowed values are ['micro_step', 'step']")
         check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
         check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
@@ -174,7 +178,7 @@ class TrainConfig:
         if self.data_dir is not None:
             return Path(self.data_dir)
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.data_source.removeprefix("hf:"))
-        return Path("data_cache") / safe
+        return Path("data_cache") / (safe + ("-char" if self.tokenizer == "char" else ""))
 
 
 def _accepts(tp: Any, kind: type) -> bool:

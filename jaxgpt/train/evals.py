@@ -61,7 +61,7 @@ class InLoopEvals:
             return
         texts = generate_text(nnx.merge(self.graphdef, params), cfg.sample_prompt, max_new_tokens=cfg.sample_len,
                               temperature=cfg.sample_temperature, top_k=cfg.sample_top_k,
-                              seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num)
+                              seed=(cfg.seed + step) % 2**32, num_samples=cfg.sample_num, tokenizer=self.tokenizer)
         block = "".join(f"--- sample {i} (step {step}) ---\n{t}\n" for i, t in enumerate(texts))
         with open(self.run_dir / "samples.txt", "a") as f:
             f.write(block)

@@ -134,6 +134,10 @@ class Resuming:
             saved, meta = self.ckpts.saved_config(step), self.ckpts.saved_meta(step)
         except CheckpointDamaged:
             return
+        from jaxgpt import data as data_lib
+
+        trained = (meta.get("extra") or {}).get("tokenizer")  # None: GPT-2 (checkpoints from before it was recorded)
+        data_lib.check_tokenizer_matches(self.data_dir, trained, f"the checkpoint in {self.run_dir} (step {step})")
         changes.check_resume(saved, self.saved_config, step=step, where=str(self.run_dir),
                              saved_global_batch=saved_global_batch(saved, meta.get("loader_state")),
                              global_batch=self.tokens_per_step)

@@ -128,7 +128,9 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             run._set_up_model()
             from jaxgpt import data as data_lib
 
-            data_lib.check_shards_for_model(run.data_dir, run.model_cfg.vocab_size)  # headers (and small shards)
+            run._check_tokenizer()
+            data_lib.check_shards_for_model(run.data_dir, run.model_cfg.vocab_size,  # headers (and small shards)
+                                            model_tokenizer=run.tokenizer_record, whose="the model")
             for loader in (run.train_loader, run.val_loader):  # and then every batch: a bad id names shard, offset
                 loader.vocab_size = run.model_cfg.vocab_size
         except BaseException:
@@ -183,7 +185,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
                                   f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config "
                                   "file)")
             # another run preparing the same directory holds its lock: wait for it, then use what it made
-            data_lib.ensure_prepared(cfg.data_source, self.data_dir, option="data_dir")
+            data_lib.ensure_prepared(cfg.data_source, self.data_dir, option="data_dir", tokenizer=cfg.tokenizer)
         self.train_loader = data_lib.DataLoader(
             self.data_dir, "train", cfg.batch_size * self.micro_steps, cfg.seq_len, mode=cfg.loader_mode,
             seed=cfg.seed, process_index=self.pindex, process_count=self.pcount)
@@ -192,6 +194,32 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             process_index=self.pindex, process_count=self.pcount)
         self.val_state = self.val_loader.state_dict()
         self.n_eval = min(cfg.eval_steps, self.val_loader.batches_per_epoch)  # never the same batch twice
+
+    def _check_tokenizer(self) -> None:
+        """The data's tokenizer is the config's, and (characters) the model has exactly its vocabulary; it is the
+        model's from now on: recorded in every checkpoint and used to decode samples."""
+        from jaxgpt import data as data_lib, tokenizer
+
+        rec = data_lib.manifest_tokenizer(self.data_dir)
+        name = (rec or {}).get("name", tokenizer.ENCODING_NAME)
+        if self.cfg.resume != "never" and (self.run_dir / "checkpoints").is_dir():  # a run to continue: its ids
+            from jaxgpt import checkpoint
+
+            with checkpoint.Checkpoints(self.run_dir, read_only=True) as ckpts:
+                saved = bool(ckpts.all_steps())
+            if saved:  # (every step of a run has its tokenizer: resuming with another is refused)
+                trained = checkpoint.saved_tokenizer(self.run_dir)
+                data_lib.check_tokenizer_matches(self.data_dir, trained, f"the checkpoint in {self.run_dir}")
+        if name != self.cfg.tokenizer:
+            raise ConfigError(f"TrainConfig.tokenizer = {self.cfg.tokenizer!r}, but {self.data_dir} holds "
+                              f"{tokenizer.describe(rec)}: set tokenizer: {name}, or point data_dir at shards made "
+                              f"with --tokenizer {self.cfg.tokenizer}")
+        self.tokenizer_record = rec if name == "char" else tokenizer.GPT2BPE().record()
+        self.tokenizer = tokenizer.from_record(self.tokenizer_record)
+        if name == "char" and self.model_cfg.vocab_size != rec["vocab_size"]:
+            raise ConfigError(f"model.vocab_size = {self.model_cfg.vocab_size}, but the shards in {self.data_dir} have "
+                              f"a {rec['vocab_size']}-character vocabulary: set model.vocab_size: {rec['vocab_size']} "
+                              "(nanoGPT takes it from meta.pkl; padded_vocab_size may add rows)")
 
     def _set_up_hellaswag(self) -> None:
         """The HellaSwag items, read (or downloaded) now, so a missing file fails before the first step."""
@@ -455,6 +483,9 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
                    "tokens": cfg.max_steps * self.tokens_per_step, "run_dir": str(self.run_dir),
                    "mesh": {k: int(v) for k, v in self.mesh.shape.items()}, "processes": self.pcount,
                    "rollbacks": self.rollbacks}
+        evals = [r for r in read_metrics(self.run_dir) if r.get("type") == "eval"] if self.is_main else []
+        best = min(evals, key=lambda r: r["val_loss"], default=None)  # nanoGPT's best_val_loss, over the run
+        summary.update(best_val_loss=best and best["val_loss"], best_val_step=best and best["step"])
         self.say(f"done: step {self.final_step}, train loss {summary['train_loss']}, val loss {self.val_loss}, "
                  f"{wall:.1f} s wall, " + (f"{summary['tokens_per_s']:,.0f} tok/s (steady), " if self.steady_time
                                            else "") + f"run dir {self.run_dir}")

@@ -51,7 +51,8 @@ class Safeguards:
         val = {"val_loss": self.val_loss} if self.val_step == step and self.val_loss is not None else None
         return {"step": step, "params": params, "opt_state": opt_state, "rng_key": self.rng,
                 "loader_state": self.feed.position, "metrics": val,  # the val loss of this very state, if measured
-                "extra": {**extra, "guard": self.guard.state_dict(), "lineage": list(self.lineage)}}
+                "extra": {**extra, "guard": self.guard.state_dict(), "lineage": list(self.lineage),
+                          "tokenizer": self.tokenizer_record}}
 
     def hold(self, step: int) -> None:
         """Keep a device copy of the state after ``step`` (its RNG, data position and guard history too), to be
