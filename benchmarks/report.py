@@ -257,6 +257,8 @@ def gpu_section() -> list[str]:
                     f"`{md.stem}.json` also holds every HLO instruction's time, scope and kernels."
                     + (f" The raw trace is not in the repository; one step of it is `{one.relative_to(common.ROOT)}` "
                        "(`--trim-to-one-step`), which the tests read." if one.exists() else ""), ""]
+    for md in sorted(common.RESULTS.glob("analysis-gpu-*.md")):  # written by hand from a profile (issue 32)
+        out += [md.read_text().rstrip(), ""]
     if cal := _load("calibration-h100"):  # python -m benchmarks.gpu.calibrate --check
         from benchmarks.gpu import calibrate
 

@@ -259,3 +259,95 @@ def test_the_report_shows_gpu_tables_or_says_they_are_missing(results, monkeypat
     assert gpu_bench.result_name(res) == "train_step-gpu-other"  # nvidia-smi absent here: no GPU name
     text = "\n".join(report.gpu_section())
     assert "### `train_step-gpu-other`" in text and "| gpt2 | torch_compile_bf16 | 16 |" in text
+
+
+def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, monkeypatch):
+    """Issue 32's device script, dry: the table, both profiles and the recipe at tiny shapes, 8 files."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_session.main(["compare", "--dry", "--text", str(common.ROOT / "README.md")]) == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    profile = [f"profile-gpu-dry-b2.{x}" for x in ("json", "md", "hlo.txt.gz", "trace.json.gz")]
+    assert names == sorted(["train_step-gpu-dry.json", "train_step-gpu-dry.md", *profile,
+                            "torch-profile-gpu-dry-b2.json", "session-compare-dry.json"])
+    assert len(names) <= gpu_session.COMPARE_FILES
+    s = json.loads((tmp_path / "session-compare-dry.json").read_text())
+    assert [r["step"] for r in s["steps"]] == [st.name for st in gpu_session.compare_steps(dry=True, text=tmp_path)]
+    assert all(r["status"] == "ok" for r in s["steps"])
+    assert s["files"] == [n for n in names if n != "session-compare-dry.json"] + ["session-compare-dry.json"]
+    assert sum(r["seconds"] for r in s["steps"]) <= s["budget_s"]
+    train = [m for m in s["recipe"]["metrics"] if m.get("type") == "train"]
+    assert [m["step"] for m in train] == [1, 2] and s["recipe"]["summary"] is not None
+    t = json.loads((tmp_path / "torch-profile-gpu-dry-b2.json").read_text())
+    kinds = {r["kind"]: r["ms_per_step"] for r in t["summary"]["rows"]}
+    assert kinds["GEMMs"] > 0 and kinds["optimizer (fused AdamW, grad clip)"] > 0 and "| GEMMs |" in t["markdown"]
+    rows = json.loads((tmp_path / "train_step-gpu-dry.json").read_text())["rows"]
+    assert {r["variant"] for r in rows} == {"jax_bf16", "torch_eager_bf16"} and not any("error" in r for r in rows)
+
+
+def test_the_compare_budget_sets_aside_the_later_steps_needs(tmp_path):
+    py = [gpu_session.sys.executable, "-c"]
+    env = dict(gpu_session.os.environ)
+
+    def step(name, code, need, cap=30.0):
+        return gpu_session.Step(name, [*py, code], cap_s=cap, need_s=need)
+
+    slow = "import time; time.sleep(30)"
+    steps = [step("quick", "pass", 3), step("slow", slow, 1), step("fails", "raise SystemExit(3)", 3),
+             step("too big", "pass", 100), step("last", "pass", 3)]
+    recs = gpu_session.run_budgeted(steps, budget_s=20, env=env, log=lambda s: None)
+    by = {r["step"]: r for r in recs}
+    # the later needs (107 s) exceed the budget: each earlier step still gets its own need, first come first
+    assert by["quick"]["status"] == "ok" and by["quick"]["timeout_s"] == 3
+    assert by["slow"]["status"] == "timed out" and by["slow"]["timeout_s"] == 1 and by["slow"]["seconds"] < 5
+    assert by["fails"]["status"] == "failed" and by["fails"]["rc"] == 3
+    assert by["too big"]["status"] == "skipped" and "it needs 100" in by["too big"]["why"]
+    assert by["last"]["status"] == "ok" and 3 <= by["last"]["timeout_s"] < 20
+    # a step overrunning is cut where the later step's need (and the slack) begins
+    recs = gpu_session.run_budgeted([step("slow", slow, 1), step("last", "pass", 4, cap=5)], budget_s=10, env=env,
+                                    log=lambda s: None)
+    cut = 10 - 4 - gpu_session.SLACK_S
+    assert recs[0]["status"] == "timed out" and recs[0]["timeout_s"] == pytest.approx(cut, abs=0.2)
+    assert recs[1]["status"] == "ok" and recs[1]["timeout_s"] >= 4
+    real = gpu_session.compare_steps(dry=False, text=tmp_path / "t.txt")
+    assert sum(s.need_s + gpu_session.SLACK_S for s in real) <= gpu_session.COMPARE_BUDGET_S < 600  # the tool's
+    table = real[0].argv
+    assert table[table.index("--batches") + 1] == "64,16" and table[table.index("--eager-batches") + 1] == ""
+    assert "--max_steps=10" in real[-1].argv and any(a.endswith("gpt2-124m.yaml") for a in real[-1].argv)
+    with pytest.raises(SystemExit, match="needs a text file"):
+        gpu_session.compare_steps(dry=False, text=None)
+
+
+def test_torch_profile_groups_kernels_by_kind():
+    from benchmarks.gpu import torch_profile
+
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+    events = [k("sm90_xmma_gemm_bf16bf16_bf16f32", 0, 100), k("nvjet_tst_192x192", 100, 50),
+              k("flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", 150, 80), k("flash_fwd_kernel", 230, 20),
+              k("triton_red_fused__log_softmax_backward_data_nll_loss_backward_3", 250, 40),
+              k("triton_per_fused_native_layer_norm_backward_7", 290, 30),
+              k("triton_poi_fused_add_mul_tanh_5", 320, 10),
+              k("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 330, 20), k("Memcpy HtoD", 350, 5),
+              k("triton_poi_fused_view_9", 340, 20),  # overlaps AdamW's end (its 10 new us count) and the memcpy
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500, "pid": 1, "tid": 1}]
+    s = torch_profile.summarise({"traceEvents": events}, steps=1, wall_s=400e-6)
+    ms = {r["kind"]: r["ms_per_step"] for r in s["rows"]}
+    assert s["source"] == "GPU kernels" and s["events"] == 10
+    assert ms["GEMMs"] == pytest.approx(0.15) and ms["attention bwd"] == pytest.approx(0.08)
+    assert ms["attention fwd"] == pytest.approx(0.02) and ms["cross-entropy"] == pytest.approx(0.04)
+    assert ms["LayerNorm bwd"] == pytest.approx(0.03) and ms["GELU fwd"] == pytest.approx(0.01)
+    assert ms["optimizer (fused AdamW, grad clip)"] == pytest.approx(0.02)
+    assert ms["other Triton / inductor fusions"] == pytest.approx(0.01) and "copies / memsets" not in ms
+    assert s["busy_ms_per_step"] == pytest.approx(0.36) and ms["host gaps (device idle)"] == pytest.approx(0.04)
+    assert sum(r["share"] for r in s["rows"]) == pytest.approx(1.0)
+
+
+def test_the_report_carries_the_hand_written_profile_analyses():
+    from benchmarks import report
+
+    text = "\n".join(report.gpu_section())
+    note = (common.ROOT / "benchmarks" / "results" / "analysis-gpu-h100-b64-layernorm-bwd.md").read_text().rstrip()
+    assert note in text and "analysis of the measured trace" in note
+    benchmarks_md = (common.ROOT / "BENCHMARKS.md").read_text()
+    assert all(line in benchmarks_md for line in text.splitlines())  # BENCHMARKS.md is still the report's output
