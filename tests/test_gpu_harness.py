@@ -263,24 +263,27 @@ def test_the_report_shows_gpu_tables_or_says_they_are_missing(results, monkeypat
 
 def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, monkeypatch):
     """Issue 32's device script, dry: the table, both profiles and the recipe at tiny shapes, 8 files."""
-    monkeypatch.setenv("OUT", str(tmp_path))
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(common, "TMP", tmp_path / "scratch")  # the recipe's text, shards and run: not kept
     assert gpu_session.main(["compare", "--dry", "--text", str(common.ROOT / "README.md")]) == 0
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in out.iterdir())
     profile = [f"profile-gpu-dry-b2.{x}" for x in ("json", "md", "hlo.txt.gz", "trace.json.gz")]
     assert names == sorted(["train_step-gpu-dry.json", "train_step-gpu-dry.md", *profile,
                             "torch-profile-gpu-dry-b2.json", "session-compare-dry.json"])
     assert len(names) <= gpu_session.COMPARE_FILES
-    s = json.loads((tmp_path / "session-compare-dry.json").read_text())
+    s = json.loads((out / "session-compare-dry.json").read_text())
     assert [r["step"] for r in s["steps"]] == [st.name for st in gpu_session.compare_steps(dry=True, text=tmp_path)]
     assert all(r["status"] == "ok" for r in s["steps"])
     assert s["files"] == [n for n in names if n != "session-compare-dry.json"] + ["session-compare-dry.json"]
     assert sum(r["seconds"] for r in s["steps"]) <= s["budget_s"]
     train = [m for m in s["recipe"]["metrics"] if m.get("type") == "train"]
     assert [m["step"] for m in train] == [1, 2] and s["recipe"]["summary"] is not None
-    t = json.loads((tmp_path / "torch-profile-gpu-dry-b2.json").read_text())
+    t = json.loads((out / "torch-profile-gpu-dry-b2.json").read_text())
     kinds = {r["kind"]: r["ms_per_step"] for r in t["summary"]["rows"]}
     assert kinds["GEMMs"] > 0 and kinds["optimizer (fused AdamW, grad clip)"] > 0 and "| GEMMs |" in t["markdown"]
-    rows = json.loads((tmp_path / "train_step-gpu-dry.json").read_text())["rows"]
+    rows = json.loads((out / "train_step-gpu-dry.json").read_text())["rows"]
     assert {r["variant"] for r in rows} == {"jax_bf16", "torch_eager_bf16"} and not any("error" in r for r in rows)
 
 
