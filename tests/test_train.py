@@ -41,7 +41,7 @@ def test_every_preset_loads_and_divides():
     assert big.model.n_layer == 12 and big.model.padded_vocab_size == 50304 and big.optim.lr == 6e-4
     assert big.optim.warmup_steps == 715 and big.max_steps == big.optim.decay_steps == 19073
     assert TrainConfig.load(None) == TrainConfig.load(DEFAULT_CONFIG)
-    assert DEFAULT_CONFIG.name == "shakespeare-cpu.yaml"
+    assert DEFAULT_CONFIG.name == "shakespeare-char-cpu.yaml"  # nanoGPT's first run (issue 34)
 
 
 def test_cli_overrides_any_field():

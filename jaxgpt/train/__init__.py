@@ -1,8 +1,8 @@
 """Train GPT-2: ``python -m jaxgpt.train [--config configs/NAME.yaml] [--field=value ...]``.
 
-Without ``--config`` the default preset ``configs/shakespeare-cpu.yaml`` is used. Any field of
-:class:`TrainConfig` can be overridden on the command line, nested ones with dots, values parsed as YAML
-scalars::
+Without ``--config`` the default preset ``configs/shakespeare-char-cpu.yaml`` (nanoGPT's first run, on a CPU) is
+used. Any field of :class:`TrainConfig` can be overridden on the command line, nested ones with dots, values parsed
+as YAML scalars::
 
     python -m jaxgpt.train --config configs/gpt2-124m.yaml --optim.lr=3e-4 --max_steps=100 --model.n_layer=2
 

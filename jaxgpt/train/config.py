@@ -15,7 +15,7 @@ from jaxgpt.mesh import MeshConfig
 from jaxgpt.optim import OptimConfig
 from jaxgpt.train.wandb_log import WandbConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare-cpu.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare-char-cpu.yaml"  # nanoGPT's first run
 
 
 @dataclasses.dataclass(frozen=True)
