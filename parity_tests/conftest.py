@@ -1,6 +1,8 @@
 """Shared fixtures for the parity tests: a device (CPU always; CUDA where one exists, skipped cleanly
 otherwise), fp32 matmul precision pinned to "highest" in both frameworks, and HF checkpoints made on the
-spot by ``transformers`` (random init, saved with ``save_pretrained``) so nothing comes from a hub."""
+spot by ``transformers`` (random init, saved with ``save_pretrained``) so nothing comes from a hub; JAX's
+persistent compilation cache for the run (compile_cache.py) and, with $JAXGPT_COMPILE_COUNTS, the XLA
+compilations of every case counted (compile_counts.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
+
+from compile_cache import cache_dir, persistent_cache
+from compile_counts import (pytest_runtest_logreport, pytest_runtest_protocol,  # noqa: F401 (hooks: compile_counts.py)
+                            pytest_sessionfinish, pytest_terminal_summary)
 
 
 def _jax_has_gpu() -> bool:
@@ -20,6 +27,18 @@ def _jax_has_gpu() -> bool:
         return len(jax.devices("gpu")) > 0
     except RuntimeError:
         return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def persistent_compilation_cache(request):
+    """JAX's persistent compilation cache for the whole parity run (compile_cache.py says where and why)."""
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    path = cache_dir(cache.mkdir("jax-compilation-cache") if cache is not None else None)
+    if path is None:  # off, or the user's own JAX_COMPILATION_CACHE_DIR is in charge
+        yield None
+        return
+    with persistent_cache(path):
+        yield path
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -153,6 +172,23 @@ def parity_report(_parity_numbers, record_property):
         _parity_numbers.setdefault(key, {}).update(measured)
 
     return report
+
+
+def _logits_and_loss(model, idx):
+    return model(idx), model.loss(idx[:, :-1], idx[:, 1:])
+
+
+# One compiled function per model structure (config and policy: nnx.jit keys on the graph definition) and token
+# shape, shared by every test that calls it (an nnx.jit made inside a helper compiled anew on every call).
+_jit_logits_and_loss = nnx.jit(_logits_and_loss)
+
+
+def jax_logits_and_loss(model, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+    """jaxgpt's logits of the full sequence and its next-token loss, jitted."""
+    import jax.numpy as jnp
+
+    logits, loss = _jit_logits_and_loss(model, jnp.asarray(tokens, dtype=jnp.int32))
+    return np.asarray(logits), float(loss)
 
 
 def random_tokens(batch: int, seq: int, vocab: int = 50257, seed: int = 0) -> np.ndarray:

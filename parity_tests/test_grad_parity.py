@@ -12,6 +12,7 @@ one Hugging Face checkpoint and fed the same batch (llm.c's reference-as-oracle 
 from __future__ import annotations
 
 import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,17 @@ from torch_ref.load import from_hf as torch_from_hf
 SEQ = 32
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_grads(graphdef, params, x, y):
+    """One compiled function per model structure (config and policy: the graph definition) and batch shape, shared
+    by every case that uses it (a jax.jit of a closure made per call compiled anew each time)."""
+    return jax.grad(lambda p: nnx.merge(graphdef, p).loss(x, y))(params)
+
+
 def jax_grads(directory, x, y, policy: Policy) -> dict[str, np.ndarray]:
     model = from_hf(directory, policy=policy)
     graphdef, params = nnx.split(model, nnx.Param)
-    loss = lambda p: nnx.merge(graphdef, p).loss(jnp.asarray(x), jnp.asarray(y))  # noqa: E731
-    grads = jax.jit(jax.grad(loss))(params)
-    return params_to_ref(grads)
+    return params_to_ref(_loss_grads(graphdef, params, jnp.asarray(x), jnp.asarray(y)))
 
 
 def torch_grads(model: torch.nn.Module, x, y, device: str, *, prefix: str = "", bf16: bool = False

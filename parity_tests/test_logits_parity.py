@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
-from conftest import (ATTN_PEAK, CHECKPOINTS, PEAKED_WTE_SCALE, make_hf_checkpoint, max_attention_logit,
-                      on_device, peak_attention, random_tokens)
+from conftest import (ATTN_PEAK, CHECKPOINTS, PEAKED_WTE_SCALE, jax_logits_and_loss, make_hf_checkpoint,
+                      max_attention_logit, on_device, peak_attention, random_tokens)
 from jaxgpt.model import cross_entropy
 from jaxgpt.precision import Policy
 from jaxgpt.weights import from_hf
@@ -27,18 +26,6 @@ BF16_BATCH = 4
 
 def _checkpoint_params(names, slow=()):
     return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
-
-
-def _jax_logits_and_loss(model, tokens: np.ndarray):
-    """Logits of the full sequence and the next-token loss, jitted (one compile per model structure)."""
-    import jax.numpy as jnp
-
-    @nnx.jit
-    def run(model, idx):
-        return model(idx), model.loss(idx[:, :-1], idx[:, 1:])
-
-    logits, loss = run(model, jnp.asarray(tokens, dtype=jnp.int32))
-    return np.asarray(logits), float(loss)
 
 
 class _Oracles:
@@ -93,7 +80,7 @@ def test_fp32_logits_and_loss(name, attention, device, oracles, parity_report):
     o = oracles.get(name, device)
     with on_device(device):
         model = from_hf(o["directory"], policy=Policy.fp32(attention=attention, matmul_precision="highest"))
-        jax_logits, jax_loss = _jax_logits_and_loss(model, o["tokens"])
+        jax_logits, jax_loss = jax_logits_and_loss(model, o["tokens"])
         # the loss through the plain (unfused) cross-entropy of the logits, too
         plain_loss = float(cross_entropy(jax_logits[:, :-1], o["tokens"][:, 1:]))
     vocab = model.config.vocab_size
@@ -133,7 +120,7 @@ def test_fp32_logits_pairwise_at_large_scale(tmp_path, parity_report):
         hf_logits = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()(t).logits.numpy()
         ref_logits = torch_ref.load.from_hf(tmp_path)(t)[0].numpy()
     model = from_hf(tmp_path, policy=Policy.fp32(matmul_precision="highest"))
-    jax_logits, _ = _jax_logits_and_loss(model, tokens)
+    jax_logits, _ = jax_logits_and_loss(model, tokens)
     scale = float(np.abs(hf_logits).max())
     assert scale > 10, f"the logits' scale is {scale:.3g}: not the large-logit regime this test is for"
     tol = fp32_logits_pairwise(scale, 3)
@@ -182,7 +169,7 @@ def test_bf16_against_fp32(name, wte_scale, device, oracles, parity_report):
 
     with on_device(device):
         model = from_hf(o["directory"], policy=Policy.bf16())
-        jax_logits, _ = _jax_logits_and_loss(model, o["tokens"])
+        jax_logits, _ = jax_logits_and_loss(model, o["tokens"])
     with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
         ref_logits = o["ref_model"](torch.from_numpy(o["tokens"]).to(device))[0].float().cpu().numpy()
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
-from conftest import CHECKPOINTS, on_device, random_tokens
+from conftest import CHECKPOINTS, jax_logits_and_loss, on_device, random_tokens
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 from jaxgpt.weights import from_hf, from_torch_state_dict, params_to_ref, save_hf, to_torch_state_dict
@@ -92,18 +90,11 @@ def test_padded_vocab_changes_nothing(name, device, hf_checkpoint, parity_report
     directory, _ = hf_checkpoint(name)
     _, seq = CHECKPOINTS[name]
     tokens = random_tokens(2, seq, seed=2)
-    idx = jnp.asarray(tokens, dtype=jnp.int32)
-
-    @nnx.jit
-    def run(model, idx):
-        return model(idx), model.loss(idx[:, :-1], idx[:, 1:])
-
     results = {}
     with on_device(device):
         for padded in (None, PADDED):
             model = from_hf(directory, policy=Policy.fp32(matmul_precision="highest"), padded_vocab_size=padded)
-            logits, loss = run(model, idx)
-            results[padded] = (np.asarray(logits), float(loss))
+            results[padded] = jax_logits_and_loss(model, tokens)
     (a, la), (b, lb) = results[None], results[PADDED]
     assert a.shape == b.shape == (2, seq, 50257)
 
