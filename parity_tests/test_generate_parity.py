@@ -59,7 +59,7 @@ def sharpened_model(config: GPTConfig, seed: int) -> GPT:
             v = 1.0 + rng.normal(0.0, 0.1, shape)
         else:
             v = rng.normal(0.0, 0.1, shape)
-        var.set_value(jnp.asarray(v, jnp.float32))
+        var.set_value(jax.device_put(np.asarray(v, np.float32)))  # numpy cast + copy: no eager op compiled per shape
     return nnx.merge(graphdef, state)
 
 

@@ -80,12 +80,16 @@ def rel(a, b) -> float:
 
 
 # ---- (a) the orthogonalisation alone ---------------------------------------------------------------------------
+# one jitted function for every shape and dtype (square matrices and their transposes share a compilation)
+_orthogonalize = jax.jit(lambda v, dt: orthogonalize(v, OptimConfig(muon_ns_dtype=dt)), static_argnums=1)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_newton_schulz_against_torch_and_float64(shape):
     x = momentum_like(shape, seed=shape[1])
     truth = ns_float64(x)
     torch_bf16 = torch.optim._muon._zeropower_via_newtonschulz(torch.from_numpy(x), COEFFS, 5, 1e-7).float().numpy()
-    orth = jax.jit(lambda v, dt: orthogonalize(v, OptimConfig(muon_ns_dtype=dt)), static_argnums=1)
+    orth = _orthogonalize
     jax_bf16 = np.asarray(orth(jnp.asarray(x), "bfloat16"))
     jax_fp32 = np.asarray(orth(jnp.asarray(x), "float32"))
     d_torch, d_jax, d_fp32 = rel(torch_bf16, truth), rel(jax_bf16, truth), rel(jax_fp32, truth)
@@ -129,7 +133,7 @@ def jax_run(model, cfg, grads):
         tree = jax.tree.map(jnp.zeros_like, params)
         flat = {k: v for k, v in nnx.to_flat_state(tree)}
         for path, var in flat.items():
-            var.set_value(jnp.asarray(g[ref_name(path)]))
+            var.set_value(jax.device_put(g[ref_name(path)]))  # a copy: jnp.asarray compiles per shape
         params, opt_state = update(params, opt_state, nnx.from_flat_state(flat))
     return params_to_ref(params)
 

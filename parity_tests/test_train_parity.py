@@ -53,7 +53,7 @@ def build(seed: int = 0) -> GPT:
     for path, var in nnx.to_flat_state(state):
         shape, name = var.get_value().shape, path[-1]
         value = rng.normal(0.0, 0.02, shape) + (name == "scale")
-        var.set_value(jnp.asarray(value, jnp.float32))
+        var.set_value(jax.device_put(np.asarray(value, np.float32)))  # no eager op compiled per shape
     return nnx.merge(graphdef, state)
 
 
