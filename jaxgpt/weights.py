@@ -236,7 +236,9 @@ def _empty_model(config: GPTConfig, policy: Policy | None) -> GPT:
     """A GPT whose parameters are placeholders: nothing is initialised that loading will overwrite."""
     abstract = nnx.eval_shape(lambda: GPT(config, policy=policy, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
+    # host zeros placed on the device: jnp.zeros would compile a broadcast program per shape (one per parameter
+    # shape of every model loaded; counted by parity_tests/compile_counts.py)
+    state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype)), state)
     return nnx.merge(graphdef, state)
 
 
