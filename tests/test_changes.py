@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from jaxgpt.config import ConfigError, to_dict
 from jaxgpt.train import TrainConfig
 from jaxgpt.train.changes import check_resume, classify
 
-SAVED = TrainConfig.load(overrides={"total_batch_tokens": 4096})  # the default preset: batch 16 x 128, 2 micro steps
+# the BPE Shakespeare preset (the default run's before issue 34): batch 16 x 128, 2 micro steps at 4,096 tokens
+PRESET = Path(__file__).resolve().parent.parent / "configs" / "shakespeare-cpu.yaml"
+SAVED = TrainConfig.load(PRESET, overrides={"total_batch_tokens": 4096})
 
 
 def as_saved(cfg: TrainConfig) -> dict:
@@ -16,7 +20,7 @@ def as_saved(cfg: TrainConfig) -> dict:
 
 
 def changed(**overrides) -> tuple[list[str], dict]:
-    new = TrainConfig.load(overrides={"total_batch_tokens": 4096, **overrides})
+    new = TrainConfig.load(PRESET, overrides={"total_batch_tokens": 4096, **overrides})
     tokens = lambda c: c.micro_steps() * c.batch_size * c.seq_len  # noqa: E731
     return classify(as_saved(SAVED), as_saved(new), saved_global_batch=tokens(SAVED), global_batch=tokens(new))
 
@@ -50,7 +54,7 @@ def test_allowed_fields_are_returned_old_and_new(field, value):
 
 def test_actions_are_not_compared_and_check_resume_raises_with_every_field():
     assert changed(resume_step=4, skip_batches=2, out_dir="runs/x", resume="must") == ([], {})
-    new = as_saved(TrainConfig.load(overrides={"total_batch_tokens": 4096, "seed": 1, "seq_len": 64}))
+    new = as_saved(TrainConfig.load(PRESET, overrides={"total_batch_tokens": 4096, "seed": 1, "seq_len": 64}))
     with pytest.raises(ConfigError) as e:
         check_resume(as_saved(SAVED), new, step=300, where="runs/x", saved_global_batch=4096, global_batch=4096)
     msg = str(e.value)
@@ -72,8 +76,8 @@ def test_switching_clipping_off_reshapes_the_optimizer_state_and_is_refused():
 def test_sgd_momentum_or_coupled_decay_switched_off_is_refused(field):
     """SGD: momentum 0.9 -> 0 drops the trace from the state; weight decay 0.1 -> 0 drops the L2 transform."""
     base = {"total_batch_tokens": 4096, "optim.name": "sgd"}
-    saved = as_saved(TrainConfig.load(overrides=base))
-    new = as_saved(TrainConfig.load(overrides={**base, f"optim.{field}": 0.0, "optim.lr": 1e-3}))
+    saved = as_saved(TrainConfig.load(PRESET, overrides=base))
+    new = as_saved(TrainConfig.load(PRESET, overrides={**base, f"optim.{field}": 0.0, "optim.lr": 1e-3}))
     refused, allowed = classify(saved, new)
     assert [r.split(":")[0] for r in refused] == [f"optim.{field}"] and "another structure" in refused[0]
     assert allowed == {"optim.lr": [3e-3, 1e-3]}
