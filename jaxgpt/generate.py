@@ -59,7 +59,7 @@ from flax import nnx
 
 from jaxgpt.config import PRESETS, GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
-from jaxgpt.precision import Policy
+from jaxgpt.precision import PRECISIONS, Policy
 
 __all__ = ["GenerateError", "argmax", "categorical", "generate", "generate_text", "kth_largest", "load_model",
            "load_tokenizer", "generate_samples", "load_checkpoint", "main", "sample_logits", "trace_count"]
@@ -583,8 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--num-samples", type=int_at_least(1), default=1)
-    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32",
-                   help="matmul operand dtype (default: fp32)")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="matmul operand dtype; bf16-autocast: torch.autocast's bf16 (default: fp32)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow; the reference path)")
     return p
@@ -610,13 +610,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # XLA's RESOURCE_EXHAUSTED while running (another process on the GPU, fragmentation)
-        from jaxgpt.memory_fit import oom_summary, out_of_memory
+        from jaxgpt.memory_fit import report_out_of_memory
 
-        if not out_of_memory(e):
-            raise
-        print(f"error: out of device memory ({oom_summary(e)}); free the GPU's memory (another process on it?) or "
-              "use a smaller --num-samples, and run it again", file=sys.stderr)
-        return 2
+        return report_out_of_memory(e, smaller="--num-samples")
     for i, (text, ids) in enumerate(samples):
         if i:
             print("-" * 40)

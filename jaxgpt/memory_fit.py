@@ -247,6 +247,19 @@ def oom_summary(e: BaseException) -> str:
     return first if len(first) <= 160 else first[:157] + "..."
 
 
+def report_out_of_memory(e: RuntimeError, *, smaller: str) -> int:
+    """A command line's answer to a ``RuntimeError`` raised while running: XLA's out-of-memory error becomes one
+    line on stderr naming the fix (``smaller``: the option to lower, e.g. ``"--batch-size"``) and exit status 2;
+    any other error is raised again."""
+    import sys
+
+    if not out_of_memory(e):
+        raise e
+    print(f"error: out of device memory ({oom_summary(e)}); free the GPU's memory (another process on it?) or use a "
+          f"smaller {smaller}, and run it again", file=sys.stderr)
+    return 2
+
+
 # ---- the train step's figure --------------------------------------------------------------------------------------
 def train_step_bytes(jitted: Any, state: Any, mesh: Any, *, micro_steps: int, rows: int, seq_len: int,
                      key: Any = None) -> int:

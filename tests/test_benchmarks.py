@@ -5,7 +5,6 @@ or if the harness itself breaks."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -13,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.import_reader import imported_names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -297,16 +298,7 @@ def import_graph(root: Path, package: str) -> dict[str, set[str]]:
     graph = {}
     for name, path in files.items():
         here = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package `level - 1` levels above this module's
-                    anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets |= {base} | {f"{base}.{a.name}" for a in node.names}
+        targets = imported_names(path, here)
         with_parents = {".".join(t.split(".")[:i]) for t in targets for i in range(1, t.count(".") + 2)}
         # a module's own packages count only when it names them (they are being imported when it runs)
         graph[name] = {t for t in with_parents

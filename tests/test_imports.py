@@ -4,11 +4,12 @@ source with ast, function-level (lazy) imports included: a lazy import is still 
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.import_reader import imported_names
 
 JAXGPT = Path(__file__).resolve().parents[1] / "jaxgpt"
 UNITS = ("jaxgpt.devices", "jaxgpt.account", "jaxgpt.train", "jaxgpt.compile")
@@ -29,17 +30,7 @@ def imported_modules(path: Path) -> set[str]:
     """Every jaxgpt module ``path`` imports, at any depth of the file (functions, conditionals, try blocks)."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found |= {f"{base}.{a.name}" for a in node.names}  # `from jaxgpt import account` imports a module
+    found = imported_names(path, package)
     return {m for m in found if m == "jaxgpt" or m.startswith("jaxgpt.")}
 
 

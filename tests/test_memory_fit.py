@@ -289,3 +289,35 @@ def test_eval_refuses_a_batch_that_does_not_fit_a_faked_gpu_pool(monkeypatch):
                                                 r"--batch-size that fits \(halving it\) is 2 \(600.0 MiB"):
         val_loss._check_memory(program, None, 16, 64)
     assert program.rows == [2, 16, 8, 4, 1, 2]  # gallop down 8, 4, 1 (fits), then bisect: 2
+
+
+def test_generate_out_of_memory_while_running_is_one_line_and_other_runtime_errors_propagate(monkeypatch, capsys):
+    from jaxgpt import generate as gen
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(OOM + "\n" + "detail " * 100)
+
+    monkeypatch.setattr(gen, "generate_samples", oom)
+    assert gen.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: out of device memory ({OOM}); free the GPU's memory (another process on it?) or use a "
+                   "smaller --num-samples, and run it again"]
+
+    def crash(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(gen, "generate_samples", crash)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        gen.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+
+
+def test_eval_out_of_memory_while_running_names_the_batch_size_option(monkeypatch, capsys):
+    from jaxgpt.eval import cli
+
+    def oom(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError(OOM)
+
+    monkeypatch.setattr(cli, "prepare", lambda args: {"outputs": {}})
+    monkeypatch.setattr(cli, "run", oom)
+    assert cli.main(["--task", "val-loss", "--init-from", "random:tiny"]) == 2
+    assert capsys.readouterr().err.strip().endswith("use a smaller --batch-size, and run it again")

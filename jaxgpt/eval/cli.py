@@ -21,6 +21,7 @@ from pathlib import Path
 
 from jaxgpt.eval.common import EvalError, load_model
 from jaxgpt.generate import int_at_least
+from jaxgpt.precision import PRECISIONS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="hellaswag: the official jsonl (default: the cached val split, downloaded where a network "
                         "is reachable); val-loss: a prepared shard directory (required)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="val-loss: the split (default val)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "auto"], default="fp32")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
     p.add_argument("--batch-size", type=int_at_least(1), default=8,
                    help="items (hellaswag) or sequences (val-loss) per batch")
     p.add_argument("--seq-len", type=int_at_least(1), default=None,
@@ -140,11 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)  # (and DeviceMemoryError: a batch too large for the GPU)
         return 2
     except RuntimeError as e:  # XLA's RESOURCE_EXHAUSTED while running (another process on the GPU, fragmentation)
-        from jaxgpt.memory_fit import oom_summary, out_of_memory
+        from jaxgpt.memory_fit import report_out_of_memory
 
-        if not out_of_memory(e):
-            raise
-        print(f"error: out of device memory ({oom_summary(e)}); free the GPU's memory (another process on it?) or "
-              "use a smaller --batch-size, and run it again", file=sys.stderr)
-        return 2
+        return report_out_of_memory(e, smaller="--batch-size")
     return 0
