@@ -252,11 +252,10 @@ def muon_part(cfg, learning_rate) -> optax.GradientTransformation:
     )
 
 
-def muon_transform(cfg, learning_rate, muon_learning_rate) -> optax.GradientTransformation:
+def muon_transform(cfg, learning_rate, muon_learning_rate, *, decay_mask) -> optax.GradientTransformation:
     """``clip_by_global_norm`` (all grads together, as torch's clip_grad_norm_ over the model) -> partition:
-    Muon on :func:`muon_labels`' matrices, AdamW on the rest."""
-    from jaxgpt.optim import decay_mask
-
+    Muon on :func:`muon_labels`' matrices, AdamW on the rest, weight decay where ``decay_mask`` (a function of the
+    params, :func:`jaxgpt.optim.decay_mask`: passed in, so this module does not import jaxgpt.optim back)."""
     parts = []
     if cfg.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip))

@@ -229,7 +229,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
         ratio = cfg.muon_lr / cfg.lr
 
         def muon_chain(learning_rate, muon_learning_rate):
-            return muon_transform(cfg, learning_rate, muon_learning_rate)
+            return muon_transform(cfg, learning_rate, muon_learning_rate, decay_mask=decay_mask)
 
         # one schedule for both parts: the Muon part's lr is the AdamW part's times muon_lr / lr
         return optax.inject_hyperparams(muon_chain)(learning_rate=schedule,
