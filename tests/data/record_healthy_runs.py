@@ -2,6 +2,7 @@
 jaxgpt.train.guard's default factors never fire on them (tests/test_guard.py).
 
     python tests/data/record_healthy_runs.py NAME=RUN_DIR [NAME=RUN_DIR ...]
+    python tests/data/record_healthy_runs.py --add NAME=RUN_DIR ...   # keep the recorded runs of other names
 
 For each run: every train record's loss and grad norm, and the largest ratio of a step's value to the median
 of the preceding ``spike_window`` values (the guard's rule), with the step where it occurred.
@@ -49,11 +50,16 @@ def _cpu_model() -> str:
 
 
 def main(argv: list[str]) -> None:
+    add = argv[:1] == ["--add"]
     window = TrainConfig.load(overrides={}).spike_window
-    runs = [record(name, Path(d), window) for name, _, d in (a.partition("=") for a in argv)]
-    OUT.write_text(json.dumps({"source": f"tests/data/record_healthy_runs.py, spike_window {window}, on "
-                               f"{_cpu_model()} ({platform.machine()})",
-                               "runs": runs}) + "\n")
+    runs = [record(name, Path(d), window) for name, _, d in (a.partition("=") for a in argv[add:])]
+    source = f"tests/data/record_healthy_runs.py, spike_window {window}, on {_cpu_model()} ({platform.machine()})"
+    if add and OUT.exists():
+        old = json.loads(OUT.read_text())
+        new_names = {r["name"] for r in runs}
+        runs = [r for r in old["runs"] if r["name"] not in new_names] + runs
+        source = f"{old['source']}; {', '.join(sorted(new_names))} added by the same script on {_cpu_model()}"
+    OUT.write_text(json.dumps({"source": source, "runs": runs}) + "\n")
     for r in runs:
         print(f"{r['name']}: {r['steps']} steps, max loss ratio {r['max_loss_ratio']} (step "
               f"{r['max_loss_ratio_step']}), max grad-norm ratio {r['max_grad_norm_ratio']} (step "
