@@ -113,11 +113,12 @@ def attention(
                                    dropout_key=dropout_key)
     if mask is not None and impl in ("cudnn", "einsum"):
         impl = "xla"  # an explicit mask (the model's own decoding uses cached_attention) takes XLA's path
-    if impl == "einsum":
-        return ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)
+    if impl == "einsum":  # the output rounded as the policy's GEMM outputs (Policy.gemm_output), as SDPA's
+        y = ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)
+        return y.astype(policy.out_dtype)
     y = jax.nn.dot_product_attention(policy.cast(q), policy.cast(k), policy.cast(v), mask=mask,
                                      is_causal=mask is None, implementation=impl)
-    return y.astype(policy.accum_dtype)
+    return y.astype(policy.out_dtype)
 
 
 def reference_attention(q, k, v, *, policy: Policy, mask=None, dropout_rate=0.0, dropout_key=None):

@@ -97,25 +97,30 @@ def transpose_operand(a: Float[Array, "*batch m n"]) -> Float[Array, "*batch n m
     return jnp.swapaxes(a, -1, -2)
 
 
-def _dot(a, b, dtype, precision):
-    return lax.dot(a.astype(dtype), b.astype(dtype), precision=precision, preferred_element_type=jnp.float32)
+def _dot(a, b, dtype, precision, out=jnp.float32):
+    """``a @ b`` with operands in ``dtype``, fp32 accumulation, the result rounded to ``out``: on GPUs one GEMM that
+    writes ``out`` (cuBLAS accumulates bf16 products in fp32); elsewhere an fp32 result, then rounded."""
+    a, b = a.astype(dtype), b.astype(dtype)
+    if out != jnp.float32 and platform() == "gpu":
+        return lax.dot(a, b, precision=precision, preferred_element_type=out)
+    return lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32).astype(out)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul2d(x, w, dtype, precision):
-    return _dot(x, w, dtype, precision)
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _matmul2d(x, w, dtype, precision, out):
+    return _dot(x, w, dtype, precision, out)
 
 
-def _matmul2d_fwd(x, w, dtype, precision):
+def _matmul2d_fwd(x, w, dtype, precision, out):
     xc, wc = x.astype(dtype), w.astype(dtype)
-    return _dot(xc, wc, dtype, precision), (xc, wc, jnp.zeros((), x.dtype))
+    return _dot(xc, wc, dtype, precision, out), (xc, wc, jnp.zeros((), x.dtype))
 
 
-def _matmul2d_bwd(dtype, precision, res, g):
+def _matmul2d_bwd(dtype, precision, out, res, g):
     xc, wc, x_like = res
     gc = g.astype(dtype)
-    dx = _dot(gc, transpose_operand(wc), dtype, precision)  # (M, N) @ (N, K)
-    dw = _dot(transpose_operand(xc), gc, dtype, precision)  # (K, M) @ (M, N)
+    dx = _dot(gc, transpose_operand(wc), dtype, precision, out)  # (M, N) @ (N, K), rounded as the forward's output
+    dw = _dot(transpose_operand(xc), gc, dtype, precision)  # (K, M) @ (M, N): weight gradients stay fp32
     return dx.astype(x_like.dtype), dw
 
 
@@ -123,10 +128,11 @@ _matmul2d.defvjp(_matmul2d_fwd, _matmul2d_bwd)
 
 
 def matmul(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, dtype,
-           precision=None) -> Float[Array, "... d_out"]:
-    """``x @ w``: operands in ``dtype``, fp32 accumulation and result, bf16-friendly backward."""
+           precision=None, out_dtype=jnp.float32) -> Float[Array, "... d_out"]:
+    """``x @ w``: operands in ``dtype``, fp32 accumulation, the result (and the backward's ``dx``) rounded to
+    ``out_dtype`` (fp32: not rounded; bf16: torch.autocast's GEMM output), bf16-friendly backward."""
     lead = x.shape[:-1]
-    y = _matmul2d(x.reshape(-1, x.shape[-1]), w, jnp.dtype(dtype), precision)
+    y = _matmul2d(x.reshape(-1, x.shape[-1]), w, jnp.dtype(dtype), precision, jnp.dtype(out_dtype))
     return y.reshape(*lead, w.shape[-1])
 
 

@@ -28,6 +28,7 @@ from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
 DType = Literal["float32", "bfloat16", "float64"]
+PRECISIONS = ("fp32", "bf16", "bf16-autocast", "auto")  # what precision: (TrainConfig, CLIs) accepts
 Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
 
 
@@ -40,12 +41,20 @@ class Policy:
     attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
+    # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
+    # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
+    # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
+    # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
+    gemm_output: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
             raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32 (float64 "
                               "only for the float64 reference policy, Policy.fp64()); use compute_dtype='bfloat16' "
                               "for bf16 compute")
+        if self.gemm_output != "float32" and self.compute_dtype != self.gemm_output:
+            raise ConfigError(f"Policy.gemm_output = {self.gemm_output!r} needs compute_dtype = {self.gemm_output!r} "
+                              f"(got {self.compute_dtype!r}): use Policy.bf16_autocast() or precision: bf16-autocast")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
             raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
                               "params, fast_kernels=False)")
@@ -60,6 +69,13 @@ class Policy:
         return cls(compute_dtype="bfloat16", **kw)
 
     @classmethod
+    def bf16_autocast(cls, **kw) -> "Policy":
+        """torch.autocast's bf16 numerics as torch_ref runs them: bf16 operands, fp32 accumulation, GEMM outputs
+        rounded to bf16 (forward and input gradients); bias adds, GELU, LayerNorm, the residual stream and the
+        loss in fp32 (``precision: bf16-autocast``)."""
+        return cls(compute_dtype="bfloat16", gemm_output="bfloat16", **kw)
+
+    @classmethod
     def fp64(cls) -> "Policy":
         """Everything in float64 (params, matmuls, accumulation), plain einsum kernels: the ground truth the
         parity tests measure fp32 errors against. Needs ``jax.enable_x64(True)`` (else jax silently computes in
@@ -70,14 +86,16 @@ class Policy:
 
     @classmethod
     def named(cls, name: str, **kw) -> "Policy":
-        """'fp32', 'bf16', or 'auto' (see ``default_compute``)."""
+        """'fp32', 'bf16', 'bf16-autocast' (:meth:`bf16_autocast`), or 'auto' (see ``default_compute``)."""
         if name == "auto":
             name = default_compute()
         if name in ("fp32", "float32"):
             return cls.fp32(**kw)
         if name in ("bf16", "bfloat16"):
             return cls.bf16(**kw)
-        raise ConfigError(f"precision = {name!r}: allowed values are 'fp32', 'bf16', 'auto'")
+        if name == "bf16-autocast":
+            return cls.bf16_autocast(**kw)
+        raise ConfigError(f"precision = {name!r}: allowed values are {', '.join(map(repr, PRECISIONS))}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Policy":
@@ -99,6 +117,11 @@ class Policy:
         return {"default": None, "high": jax.lax.Precision.HIGH,
                 "highest": jax.lax.Precision.HIGHEST}[self.matmul_precision]
 
+    @property
+    def out_dtype(self) -> jnp.dtype:
+        """What activation matmuls return: fp32 (fp64 under :meth:`fp64`), or bf16 under ``gemm_output``."""
+        return self.accum_dtype if self.gemm_output == "float32" else jnp.dtype(self.gemm_output)
+
     def cast(self, x: Array) -> Array:
         """Cast a matmul operand to the compute dtype."""
         return x.astype(self.dtype)
@@ -109,10 +132,10 @@ class Policy:
                           preferred_element_type=self.accum_dtype)
 
     def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
-        """``x @ w`` under the policy (what every Linear layer calls)."""
+        """``x @ w`` under the policy (what every Linear layer calls), its result in :attr:`out_dtype`."""
         if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
-            return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
-        return self.einsum("...i,io->...o", x, w)
+            return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision, out_dtype=self.out_dtype)
+        return self.einsum("...i,io->...o", x, w).astype(self.out_dtype)
 
     def attention_impl(self) -> Literal["xla", "cudnn", "einsum", "reference"]:
         if self.attention != "auto":

@@ -27,7 +27,8 @@ class TrainConfig:
     model: GPTConfig | None = None  # the model shape (init_from: scratch); resolved from model_preset
     init_from: str = "scratch"  # "scratch", a Hugging Face name ("gpt2", "gpt2-medium", ...) or a local HF dir
     dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # matmul operands; auto: bf16 where it is fast
+    # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
     # ---- optimizer --------------------------------------------------------------------------------------
     optim: OptimConfig = OptimConfig()
