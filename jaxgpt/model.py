@@ -23,7 +23,7 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import ops
+from jaxgpt import norm, ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -146,12 +146,14 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias)."""
+    """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
+    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward)."""
 
-    def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32):
+    def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32, impl: str = "plain"):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype)) if bias else None
         self.eps = eps
+        self.impl = impl
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
@@ -159,6 +161,9 @@ class LayerNorm(nnx.Module):
             # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
             # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
             x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
+            if self.impl == "fused":
+                bias = self.bias[...] if self.bias is not None else None
+                return norm.layer_norm(x, self.scale[...], bias, eps=self.eps).reshape(*lead, x.shape[-1])
             mean = x.mean(axis=-1, keepdims=True)
             var = jnp.square(x - mean).mean(axis=-1, keepdims=True)  # biased, as torch.nn.LayerNorm
             y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
@@ -254,9 +259,11 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
         eps = config.layer_norm_epsilon
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype)
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype,
+                              impl=policy.layer_norm)
         self.attn = CausalSelfAttention(config, policy=policy, rngs=rngs)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype,
+                              impl=policy.layer_norm)
         self.mlp = MLP(config, policy=policy, rngs=rngs)
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
@@ -281,7 +288,7 @@ class GPT(nnx.Module):
                              param_dtype=pdt, rngs=rngs)
         self.h = nnx.List([Block(config, policy=policy, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon,
-                              param_dtype=policy.param_dtype)
+                              param_dtype=policy.param_dtype, impl=policy.layer_norm)
 
     # ---- the forward pass, in pieces --------------------------------------------------------------------
     def hidden(

@@ -41,6 +41,9 @@ class Policy:
     attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
+    # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
+    # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass)
+    layer_norm: Literal["plain", "fused"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
@@ -48,6 +51,8 @@ class Policy:
     gemm_output: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
+        if self.layer_norm not in ("plain", "fused"):
+            raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
             raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32 (float64 "
                               "only for the float64 reference policy, Policy.fp64()); use compute_dtype='bfloat16' "

@@ -30,6 +30,7 @@ class TrainConfig:
     # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
     precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
+    layer_norm: Literal["plain", "fused"] = "plain"  # Policy.layer_norm: fused = jaxgpt.norm's two-pass backward
     # ---- optimizer --------------------------------------------------------------------------------------
     optim: OptimConfig = OptimConfig()
     # ---- data -------------------------------------------------------------------------------------------
