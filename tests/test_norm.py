@@ -95,11 +95,15 @@ def _check(name, got, want, bound):
     assert worst <= 1.0, f"{name}: error up to {worst:.3g}x its derived bound (max abs error {err.max():.3g})"
 
 
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu-sums", "gpu-variadic-reduce"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_fused_matches_plain_and_truth(dtype, with_bias):
+def test_fused_matches_plain_and_truth(monkeypatch, dtype, with_bias, gpu_path):
     """Both implementations within the derived bound of the fp64 truth (fp32 and, under 64-bit jax, fp64: what the
-    fp64 reference policy computes LayerNorm in); x of 40 rows x 96 features with large row offsets."""
+    fp64 reference policy computes LayerNorm in); x of 40 rows x 96 features with large row offsets. ``gpu_path``:
+    d(scale) and d(bias) as the one variadic reduce GPUs get (the CPU's two sums otherwise)."""
+    if gpu_path:
+        monkeypatch.setattr(norm.ops, "platform", lambda: "gpu")
     rows, dim = 40, 96
     x, dy, scale, bias = _inputs(rows, dim)
     bias = bias if with_bias else None
