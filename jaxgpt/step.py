@@ -223,7 +223,8 @@ FSDP_REDUCE = ("micro_step", "step")
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, micro_steps: int,
                     dropout: bool = False, mesh: Mesh | None = None,
-                    lr_schedule: optax.Schedule | None = None, fsdp_reduce: str = "micro_step") -> Callable:
+                    lr_schedule: optax.Schedule | None = None, fsdp_reduce: str = "micro_step",
+                    grad_norm: Callable = optax.tree.norm) -> Callable:
     """``step_fn(state, x, y, key) -> (new_state, metrics)``, jitted, donating ``state``.
 
     ``x, y``: int32 ``(micro_steps, micro_batch, seq)``, ``micro_batch`` divisible by the device count
@@ -240,6 +241,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     summed gradients once, after the accumulation loop (PyTorch FSDP's ``no_sync``: the full weights and a full
     fp32 gradient accumulator live on every device, 4 N bytes more each, for one gradient reduction per optimizer
     step). Either way the ``data`` axis's all-reduce runs once per step.
+
+    ``grad_norm``: the function of the ``grad_norm`` metric; give the optimizer's clipping norm
+    (:func:`jaxgpt.optim.global_norm_fn`) so the two are one computation.
     """
     if not (isinstance(micro_steps, int) and micro_steps >= 1):
         raise ValueError(f"micro_steps = {micro_steps!r}: must be an integer >= 1")
@@ -281,13 +285,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         state = mesh_lib.constrain(state, mesh)  # as init_train_state / shard_state placed it
         loss, grads = sharded_grads(state.params, x, y, key)
         with jax.named_scope("optimizer"):
-            grad_norm = optax.tree.norm(grads)
+            norm = grad_norm(grads)
             updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
         lr = current_lr(opt_state)
         if lr is None:
             lr = lr_schedule(state.step) if lr_schedule is not None else jnp.nan
-        metrics = dict(loss=loss, grad_norm=grad_norm, lr=jnp.asarray(lr, jnp.float32))
+        metrics = dict(loss=loss, grad_norm=norm, lr=jnp.asarray(lr, jnp.float32))
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
         return mesh_lib.constrain(new_state, mesh), metrics
 

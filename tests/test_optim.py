@@ -188,3 +188,69 @@ def test_from_dict_types_and_keys():
     with pytest.raises(ConfigError, match=r"OptimConfig\.nesterov = 'yes': expected true or false"):
         OptimConfig.from_dict(dict(nesterov="yes"))
     assert OptimConfig().replace(lr=1e-3).lr == 1e-3
+
+
+# ---- the grouped global norm (OptimConfig.grad_norm = "grouped") -----------------------------------------
+def _gpt_like_grads(seed: int = 0) -> dict:
+    """Leaves on both sides of SMALL_LEAF: matrices, biases, LayerNorm scales, at different magnitudes, so a
+    dropped or doubled leaf changes the norm by far more than rounding does."""
+    r = np.random.default_rng(seed)
+    shapes = {"wte": ((256, 256), 0.3), "c_fc": ((256, 512), 0.1), "bias": ((1024,), 1.0), "ln_scale": ((256,), 3.0),
+              "ln_bias": ((256,), 2.0), "tiny": ((3,), 30.0)}  # sums of squares ~5,900 / 1,300 / 1,000 / 2,300 / ...
+    return {k: jnp.asarray(scale * r.standard_normal(s), jnp.float32) for k, (s, scale) in shapes.items()}
+
+
+def test_grouped_norm_matches_optax_norm():
+    """Both sums of squares of the same N fp32 numbers in a different order: each is within gamma_N (N u /
+    (1 - N u), u = 2^-24) of the exact sum of squares, so the norms differ by at most gamma_N relatively (sqrt
+    halves the relative error, the final rounding adds u). Checked against the float64 norm too."""
+    from jaxgpt.optim import SMALL_LEAF, grouped_norm
+
+    grads = _gpt_like_grads()
+    assert {jnp.size(g) < SMALL_LEAF for g in grads.values()} == {True, False}
+    n = sum(int(jnp.size(g)) for g in grads.values())
+    u = 2.0 ** -24
+    bound = n * u / (1 - n * u) + u
+    exact = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in grads.values()))
+    for fn in (grouped_norm, optax.tree.norm):
+        got = float(jax.jit(fn)(grads))
+        assert abs(got - exact) <= bound * exact, fn
+    for leaf in ("wte", "ln_scale"):  # the bound can tell a missing leaf, big or small
+        dropped = float(grouped_norm({k: v for k, v in grads.items() if k != leaf}))
+        assert abs(dropped - exact) > 4 * bound * exact, leaf
+    assert float(grouped_norm({})) == 0.0
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_grouped_norm_clips_as_optax_does(name):
+    """The grouped clip against optax.clip_by_global_norm in the same chain: the clip factor max_norm / |g| differs
+    by the norms' relative difference (<= gamma_N + u, above), so every update does too, up to the optimizer's
+    own rounding of that scaled gradient: rtol 2 (gamma_N + u) + 8 u. The state has the same structure (a
+    checkpoint written under one resumes under the other) and, unclipped, the updates are the same bit for bit."""
+    params = _gpt_like_grads(seed=1)
+    grads = jax.tree.map(lambda g: 50.0 * g, _gpt_like_grads(seed=2))  # well above the clip
+    n = sum(int(jnp.size(g)) for g in grads.values())
+    u = 2.0 ** -24
+    rtol = 2 * (n * u / (1 - n * u) + u) + 8 * u
+    cfg = OptimConfig(name=name, schedule="constant", warmup_steps=0, grad_clip=1.0)
+    plain, grouped = make_optimizer(cfg), make_optimizer(cfg.replace(grad_norm="grouped"))
+    s_plain, s_grouped = plain.init(params), grouped.init(params)
+    assert jax.tree.structure(s_plain) == jax.tree.structure(s_grouped)
+    for g, exact in ((grads, False), (jax.tree.map(lambda g: 1e-6 * g, grads), True)):
+        u_plain, _ = jax.jit(plain.update)(g, s_plain, params)
+        u_grouped, _ = jax.jit(grouped.update)(g, s_grouped, params)
+        for k in params:
+            if exact:  # below the clip: the select passes the gradient through, the norm's bits do not matter
+                np.testing.assert_array_equal(np.asarray(u_grouped[k]), np.asarray(u_plain[k]), err_msg=k)
+            else:
+                np.testing.assert_allclose(np.asarray(u_grouped[k]), np.asarray(u_plain[k]), rtol=rtol, atol=0,
+                                           err_msg=k)
+
+
+def test_grad_norm_config_is_validated():
+    with pytest.raises(ConfigError, match=r"OptimConfig.grad_norm = 'fast'.*\['per-leaf', 'grouped'\]"):
+        OptimConfig(grad_norm="fast")
+    from jaxgpt.optim import global_norm_fn, grouped_norm
+
+    assert global_norm_fn(OptimConfig()) is optax.tree.norm  # the default program is unchanged
+    assert global_norm_fn(OptimConfig(grad_norm="grouped")) is grouped_norm

@@ -20,7 +20,7 @@ from jaxgpt import step as step_lib
 from jaxgpt.compile.targets import CompileError
 from jaxgpt.config import ConfigError
 from jaxgpt.model import GPT
-from jaxgpt.optim import make_optimizer
+from jaxgpt.optim import global_norm_fn, make_optimizer
 from jaxgpt.precision import Policy, default_compute
 from jaxgpt.train.config import TrainConfig
 
@@ -104,7 +104,8 @@ def compile_train_step(cfg: TrainConfig, devices: list, *, micro_batch: int | No
     if cfg.seq_len > model_cfg.block_size:
         raise CompileError(f"seq_len = {cfg.seq_len} is longer than the model's block_size {model_cfg.block_size}")
     step_fn = step_lib.make_train_step(graphdef, optimizer, micro_steps=micro_steps, dropout=model_cfg.dropout > 0,
-                                       mesh=mesh, fsdp_reduce=cfg.fsdp_reduce)
+                                       mesh=mesh, fsdp_reduce=cfg.fsdp_reduce,
+                                       grad_norm=global_norm_fn(cfg.optim))
     batch = step_lib.batch_sharding(mesh, 3)
     tokens = jax.ShapeDtypeStruct((micro_steps, rows, cfg.seq_len), jnp.int32, sharding=batch)
     key = jax.eval_shape(lambda: jax.random.key(0))

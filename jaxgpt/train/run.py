@@ -238,7 +238,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         import jax
 
         from jaxgpt import step as step_lib
-        from jaxgpt.optim import make_optimizer
+        from jaxgpt.optim import global_norm_fn, make_optimizer
         from jaxgpt.precision import Policy
 
         cfg = self.cfg
@@ -252,7 +252,8 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.saved_config = {**cfg.to_dict(), "model": to_dict(self.model_cfg)}
         self.train_step = step_lib.make_train_step(self.graphdef, optimizer, micro_steps=self.micro_steps,
                                                    dropout=self.model_cfg.dropout > 0, mesh=self.mesh,
-                                                   fsdp_reduce=cfg.fsdp_reduce)
+                                                   fsdp_reduce=cfg.fsdp_reduce,
+                                                   grad_norm=global_norm_fn(cfg.optim))
         self.eval_step = step_lib.make_eval_step(self.graphdef, mesh=self.mesh)
         self.rng = jax.random.key(cfg.seed)
         self._check_device_memory(optimizer)
@@ -265,6 +266,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
         from jaxgpt import memory_fit
         from jaxgpt import step as step_lib
+        from jaxgpt.optim import global_norm_fn
 
         cfg = self.cfg
         local = [d for d in self.mesh.devices.flat if d.process_index == self.pindex]
@@ -282,7 +284,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             micro_steps = shape.rows_per_step // rows
             jitted = jitted or step_lib.make_train_step(
                 self.graphdef, optimizer, micro_steps=micro_steps, dropout=self.model_cfg.dropout > 0,
-                mesh=self.mesh, fsdp_reduce=cfg.fsdp_reduce).jitted
+                mesh=self.mesh, fsdp_reduce=cfg.fsdp_reduce, grad_norm=global_norm_fn(cfg.optim)).jitted
             return memory_fit.train_step_bytes(jitted, state, self.mesh, micro_steps=micro_steps,
                                                rows=rows * self.pcount, seq_len=cfg.seq_len, key=key)
 
