@@ -116,6 +116,32 @@ def test_step_metrics_eval_and_donation(train_step):
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def test_returned_state_is_not_placed_again(train_step, monkeypatch):
+    """The state a step returned goes straight back into the next call (no device_put walk over its leaves); any
+    other state (a fresh one, a replaced one) is placed first. Both paths give the same numbers bit for bit."""
+    import jaxgpt.step as step_lib
+
+    model, optimizer, step = train_step
+    x, y = batch(4, 4)
+    placed = []
+    real = step_lib.shard_state
+    monkeypatch.setattr(step_lib, "shard_state", lambda s, m=None: placed.append(1) or real(s, m))
+    _, state = init_train_state(model, optimizer)
+    state, _ = step(state, x, y)
+    assert len(placed) == 1  # a state the step never returned
+    state, fast = step(state, x, y)
+    assert len(placed) == 1  # its own output: not placed again
+    replaced = state.replace(step=state.step + 0)
+    _, again = step(replaced, x, y)
+    assert len(placed) == 2  # a new object: placed
+    _, state = init_train_state(model, optimizer)  # the same two steps, each call placing its state
+    state, _ = step(state, x, y)
+    state = state.replace(step=state.step + 0)
+    _, slow = step(state, x, y)
+    for k in fast:
+        np.testing.assert_array_equal(np.asarray(fast[k]), np.asarray(slow[k]), err_msg=k)
+
+
 def test_deterministic(train_step):
     """Two runs of the same 3 steps from the same init: bit-identical on CPU (and on a GPU with
     ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``); equal to fp32 rounding on a GPU without it."""
