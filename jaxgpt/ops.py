@@ -193,8 +193,43 @@ def _max_and_sum_exp(logits: Float[Array, "rows vocab"]) -> tuple[Float[Array, "
     return m[:, None], s[:, None]
 
 
-def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
-    """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,)."""
+LOGITS_DTYPES = ("float32", "bfloat16")  # what the fused loss's logits GEMM may write (_head_logits)
+# GPUs: end the logits GEMM's fusion at its output (_head_logits); False compiles the 2026-11-26 program
+LOGITS_BARRIER = True
+
+
+def _logits_dtype(name) -> jnp.dtype:
+    dt = jnp.dtype(name)
+    if dt.name not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype = {dt.name!r}: the lm_head's logits are written as one of "
+                         f"{', '.join(LOGITS_DTYPES)}")
+    return dt
+
+
+def _head_logits(a, b, precision, logits_dtype, mask_padded
+                 ) -> tuple[Float[Array, "rows vocab"], Float[Array, "rows vocab"]]:
+    """A chunk's logits ``a @ b^T`` as the GEMM wrote them, and as the loss reads them: fp32 values, padded columns
+    masked to -inf. The targets' logits are gathered from the first (a target is never a padded column): a gather
+    behind the convert and the mask would be a fusion that takes the whole chunk as its operand.
+
+    The GEMM accumulates in fp32 and writes its result once, in ``logits_dtype``: fp32 (exact, the default) or bf16
+    (torch.autocast's and llm.c's numerics: the lse and softmax are then computed in fp32 from the bf16 values, half
+    the bytes for every pass over them). On GPUs an optimization barrier ends the GEMM's fusion at its output, so
+    that nothing is fused into it as an epilogue: the -inf mask (and a bf16 -> fp32 convert) then fuse into the two
+    passes that read the logits anyway. Without it XLA fused the mask into the Triton GEMM, and the GPU, whose
+    autotuner picks cuBLAS for this GEMM, ran it as a pass of its own that read and rewrote the chunk's fp32 logits
+    (8.7 ms per b64 micro-step on the H100, 2026-11-26). On CPU the fp32 result is rounded to ``logits_dtype``."""
+    if platform() == "cpu":
+        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32).astype(logits_dtype)
+    else:
+        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=logits_dtype)
+        raw = lax.optimization_barrier(raw) if LOGITS_BARRIER else raw
+    return raw, mask_padded(raw.astype(jnp.float32))
+
+
+def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, logits_dtype=jnp.float32):
+    """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,).
+    ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`)."""
     M, C = h.shape
     V = w.shape[0]
     rows = _chunk_rows(M, V)
@@ -214,7 +249,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
         h_i, t_i, ok = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        logits = mask_padded(lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32))
+        raw, logits = _head_logits(h_i, w_c, precision, logits_dtype, mask_padded)
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
         if online:
@@ -225,7 +260,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
             e = jnp.exp(logits - m)
             s = jnp.sum(e, axis=-1, keepdims=True)
         lse = (m + jnp.log(s))[:, 0]
-        tgt = jnp.take_along_axis(logits, t_i[:, None], axis=-1)[:, 0]
+        tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
         loss_sum = jnp.sum(jnp.where(ok, lse - tgt, 0.0))
         if not with_grad:
             return dw_t, (loss_sum, jnp.zeros((0,), jnp.float32))
@@ -251,18 +286,20 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad):
     return loss_sum, dh.reshape(-1, C)[:M], dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused_ce(h, w, targets, vocab_size, dtype, precision):
-    return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False) / h.shape[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _fused_ce(h, w, targets, vocab_size, dtype, precision, logits_dtype=jnp.float32):
+    return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False,
+                    logits_dtype=logits_dtype) / h.shape[0]
 
 
-def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision):
+def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, logits_dtype=jnp.float32):
     with jax.named_scope("cross_entropy"):  # custom_vjp's forward is traced outside the caller's scopes
-        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True)
+        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True,
+                                    logits_dtype=logits_dtype)
     return loss_sum / h.shape[0], (dh, dw, targets)
 
 
-def _fused_ce_bwd(vocab_size, dtype, precision, res, g):
+def _fused_ce_bwd(vocab_size, dtype, precision, logits_dtype, res, g):
     dh, dw, targets = res
     with jax.named_scope("cross_entropy"):
         return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
@@ -279,12 +316,15 @@ def lm_head_cross_entropy(
     vocab_size: int,
     dtype,
     precision=None,
+    logits_dtype=jnp.float32,
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
-    columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``."""
+    columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``logits_dtype``:
+    what the logits GEMM writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its
+    gradient computed in fp32 from the rounded logits; :func:`_head_logits`)."""
     C = h.shape[-1]
     return _fused_ce(h.reshape(-1, C).astype(jnp.float32), w, targets.reshape(-1), vocab_size,
-                     jnp.dtype(dtype), precision)
+                     jnp.dtype(dtype), precision, _logits_dtype(logits_dtype))
 
 
 def token_cross_entropy(
@@ -295,12 +335,15 @@ def token_cross_entropy(
     vocab_size: int,
     dtype,
     precision=None,
+    logits_dtype=jnp.float32,
 ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
     """Each token's cross-entropy ``logsumexp(logits) - logits[target]`` of the tied lm_head ``logits = h @ w^T``
     over the first ``vocab_size`` columns, in fp32, and whether the target has the largest logit (greedy decoding
     would pick it): what evaluation scores with, without the gradient. Chunked like
-    :func:`lm_head_cross_entropy`, so the (tokens, vocab) fp32 logits never exist whole."""
+    :func:`lm_head_cross_entropy`, so the (tokens, vocab) fp32 logits never exist whole; ``logits_dtype`` as
+    there."""
     B, T, C = h.shape
+    logits_dtype = _logits_dtype(logits_dtype)
     M = B * T
     rows = _chunk_rows(M, w.shape[0])
     n_chunks = math.ceil(M / rows)
@@ -311,9 +354,9 @@ def token_cross_entropy(
 
     def chunk(inp):
         h_i, t_i = inp
-        logits = mask_padded(lax.dot_general(h_i, w_c, _NT, precision=precision, preferred_element_type=jnp.float32))
+        raw, logits = _head_logits(h_i, w_c, precision, logits_dtype, mask_padded)
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, t_i[:, None], axis=-1)[:, 0]
+        tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
         return lse - tgt, tgt >= jnp.max(logits, axis=-1)
 
     losses, greedy = lax.map(chunk, (hc, tc))
