@@ -223,7 +223,10 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
         raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32).astype(logits_dtype)
     else:
         raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=logits_dtype)
-        raw = lax.optimization_barrier(raw) if LOGITS_BARRIER else raw
+        if not LOGITS_BARRIER:  # the 2026-11-26 program: the mask fused into the GEMM, the targets gathered behind it
+            logits = mask_padded(raw.astype(jnp.float32))
+            return logits, logits
+        raw = lax.optimization_barrier(raw)
     return raw, mask_padded(raw.astype(jnp.float32))
 
 
