@@ -172,16 +172,19 @@ class LayerNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel + bias, with ``kernel`` stored (in, out) like Hugging Face's Conv1D."""
+    """y = x @ kernel + bias, with ``kernel`` stored (in, out) like Hugging Face's Conv1D. ``gemm``: the layer's
+    kind for ``Policy.fp8`` ("attn" or "mlp")."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, policy: Policy, rngs: nnx.Rngs):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, policy: Policy, rngs: nnx.Rngs,
+                 gemm: str = "attn"):
         pdt = jnp.dtype(policy.param_dtype)  # float32 (float64 only under Policy.fp64, the parity tests' truth)
         self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (d_in, d_out), pdt))
         self.bias = nnx.Param(jnp.zeros((d_out,), pdt)) if bias else None
         self.policy = policy
+        self.gemm = gemm
 
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
-        y = self.policy.matmul(x, self.kernel[...])  # fp32 accumulation
+        y = self.policy.matmul(x, self.kernel[...], gemm=self.gemm)  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
 
     def split(self, x: Float[Array, "... d_in"], n: int) -> list[Float[Array, "... d_out/n"]]:
@@ -189,7 +192,7 @@ class Linear(nnx.Module):
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
-        return [self.policy.matmul(x, wi) + (0 if bi is None else bi) for wi, bi in zip(w, b)]
+        return [self.policy.matmul(x, wi, gemm=self.gemm) + (0 if bi is None else bi) for wi, bi in zip(w, b)]
 
 
 class CausalSelfAttention(nnx.Module):
@@ -245,8 +248,8 @@ class MLP(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
         C = config.n_embd
         resid_std = INIT_STD / math.sqrt(2 * config.n_layer)
-        self.c_fc = Linear(C, 4 * C, bias=config.bias, std=INIT_STD, policy=policy, rngs=rngs)
-        self.c_proj = Linear(4 * C, C, bias=config.bias, std=resid_std, policy=policy, rngs=rngs)
+        self.c_fc = Linear(C, 4 * C, bias=config.bias, std=INIT_STD, policy=policy, rngs=rngs, gemm="mlp")
+        self.c_proj = Linear(4 * C, C, bias=config.bias, std=resid_std, policy=policy, rngs=rngs, gemm="mlp")
         self.dropout = config.dropout
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, dropout_key=None) -> Float[Array, "batch seq embed"]:
@@ -318,7 +321,9 @@ class GPT(nnx.Module):
         """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped). ``head``:
         wte already cast to the compute dtype (the decoder casts it once, not once per token)."""
         head = self.wte.embedding[...] if head is None else head
-        return self.policy.einsum("btc,vc->btv", h, head)[..., : self.config.vocab_size]
+        if self.policy.fp8_on("lm_head"):  # e4m3 operands (jaxgpt.fp8), fp32 logits
+            return self.policy.matmul(h, head.T, gemm="lm_head")[..., : self.config.vocab_size]
+        return self.policy.round_logits(self.policy.einsum("btc,vc->btv", h, head))[..., : self.config.vocab_size]
 
     def __call__(self, idx: Int[Array, "batch seq"], *, dropout_key=None) -> Float[Array, "batch seq vocab"]:
         h, _ = self.hidden(idx, dropout_key=dropout_key)
@@ -333,7 +338,9 @@ class GPT(nnx.Module):
             if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
                 return ops.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
                                                  vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
-                                                 precision=self.policy.lax_precision)
+                                                 logits_dtype=self.policy.logits_dtype,
+                                                 precision=self.policy.lax_precision,
+                                                 fp8=self.policy.fp8_on("lm_head"))
             return cross_entropy(self.logits(h), targets)
 
     def token_losses(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]
@@ -343,7 +350,9 @@ class GPT(nnx.Module):
         check_tokens(targets, self.config, name="targets")
         h, _ = self.hidden(idx)
         return ops.token_cross_entropy(h, self.wte.embedding[...], targets, vocab_size=self.config.vocab_size,
-                                       dtype=self.policy.dtype, precision=self.policy.lax_precision)
+                                       logits_dtype=self.policy.logits_dtype,
+                                       dtype=self.policy.dtype, precision=self.policy.lax_precision,
+                                       fp8=self.policy.fp8_on("lm_head"))
 
     # ---- incremental decoding -------------------------------------------------------------------------
     def init_cache(self, batch: int, max_seq: int | None = None) -> KVCache:

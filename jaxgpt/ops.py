@@ -230,8 +230,24 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
     return raw, mask_padded(raw.astype(jnp.float32))
 
 
-def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, logits_dtype=jnp.float32):
+def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
+    """(extra scan inputs, operands(h_i, *extra_i)) of the logits GEMM. Without ``fp8``: ((), (h_i, w_c)). With it
+    (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales of the whole arrays;
+    the e4m3 chunks are dequantized inside the loop body, next to the dot, where XLA:GPU's GEMM rewriter makes one
+    cuBLASLt fp8 GEMM of convert -> scale -> dot."""
+    if not fp8:
+        return (), lambda h_i: (h_i, w_c)
+    from jaxgpt import fp8 as f8  # imports this module
+
+    hq, h_scale = f8.quantize(h.astype(dtype))
+    wq, w_scale = f8.quantize(w_c)
+    hq = jnp.pad(hq, ((0, pad), (0, 0))).reshape(chunks_shape)
+    return (hq,), lambda _, hq_i: (f8.dequantize(hq_i, h_scale, dtype), f8.dequantize(wq, w_scale, dtype))
+
+
+def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, logits_dtype=jnp.float32):
     """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,).
+    ``fp8``: the logits GEMM in e4m3 (:func:`_e4m3_head`), the backward GEMMs in ``dtype`` as without it.
     ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`)."""
     M, C = h.shape
     V = w.shape[0]
@@ -244,15 +260,16 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, logits_dtyp
     hc = hp.reshape(n_chunks, rows, C)
     tc = tp.reshape(n_chunks, rows)
     w_c, mask_padded = _head_rows(w, vocab_size, dtype)
+    e4m3_xs, logits_operands = _e4m3_head(h, w_c, pad, hc.shape, dtype, fp8)
     Vc = w_c.shape[0]
     online = platform() != "cpu"  # GPUs: max and sum of exp in one pass over the fp32 logits (_max_and_sum_exp)
 
     def chunk(carry, inp):
         dw_t = carry
-        h_i, t_i, ok = inp
+        h_i, t_i, ok, *hq_i = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        raw, logits = _head_logits(h_i, w_c, precision, logits_dtype, mask_padded)
+        raw, logits = _head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype, mask_padded)
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
         if online:
@@ -279,7 +296,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, logits_dtyp
         return dw_t, (loss_sum, dh_i)
 
     dw_t0 = jnp.zeros((C, V) if with_grad else (0,), jnp.float32)
-    dw_t, (loss_sums, dh) = lax.scan(chunk, dw_t0, (hc, tc, valid_row))
+    dw_t, (loss_sums, dh) = lax.scan(chunk, dw_t0, (hc, tc, valid_row, *e4m3_xs))
     loss_sum = jnp.sum(loss_sums)
     if not with_grad:
         return loss_sum
@@ -289,20 +306,20 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, logits_dtyp
     return loss_sum, dh.reshape(-1, C)[:M], dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused_ce(h, w, targets, vocab_size, dtype, precision, logits_dtype=jnp.float32):
-    return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False,
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fused_ce(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
+    return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False, fp8=fp8,
                     logits_dtype=logits_dtype) / h.shape[0]
 
 
-def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, logits_dtype=jnp.float32):
+def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
     with jax.named_scope("cross_entropy"):  # custom_vjp's forward is traced outside the caller's scopes
-        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True,
+        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True, fp8=fp8,
                                     logits_dtype=logits_dtype)
     return loss_sum / h.shape[0], (dh, dw, targets)
 
 
-def _fused_ce_bwd(vocab_size, dtype, precision, logits_dtype, res, g):
+def _fused_ce_bwd(vocab_size, dtype, precision, fp8, logits_dtype, res, g):
     dh, dw, targets = res
     with jax.named_scope("cross_entropy"):
         return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
@@ -319,15 +336,17 @@ def lm_head_cross_entropy(
     vocab_size: int,
     dtype,
     precision=None,
+    fp8: bool = False,
     logits_dtype=jnp.float32,
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
-    columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``logits_dtype``:
-    what the logits GEMM writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its
-    gradient computed in fp32 from the rounded logits; :func:`_head_logits`)."""
+    columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
+    GEMM with e4m3 operands (jaxgpt.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
+    writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
+    from the rounded logits; :func:`_head_logits`)."""
     C = h.shape[-1]
     return _fused_ce(h.reshape(-1, C).astype(jnp.float32), w, targets.reshape(-1), vocab_size,
-                     jnp.dtype(dtype), precision, _logits_dtype(logits_dtype))
+                     jnp.dtype(dtype), precision, fp8, _logits_dtype(logits_dtype))
 
 
 def token_cross_entropy(
@@ -338,6 +357,7 @@ def token_cross_entropy(
     vocab_size: int,
     dtype,
     precision=None,
+    fp8: bool = False,
     logits_dtype=jnp.float32,
 ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
     """Each token's cross-entropy ``logsumexp(logits) - logits[target]`` of the tied lm_head ``logits = h @ w^T``
@@ -354,15 +374,16 @@ def token_cross_entropy(
     hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
     tc = jnp.pad(targets.reshape(M), (0, pad)).reshape(n_chunks, rows)
     w_c, mask_padded = _head_rows(w, vocab_size, dtype)
+    e4m3_xs, logits_operands = _e4m3_head(h.reshape(M, C), w_c, pad, hc.shape, dtype, fp8)
 
     def chunk(inp):
-        h_i, t_i = inp
-        raw, logits = _head_logits(h_i, w_c, precision, logits_dtype, mask_padded)
+        h_i, t_i, *hq_i = inp
+        raw, logits = _head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype, mask_padded)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
         return lse - tgt, tgt >= jnp.max(logits, axis=-1)
 
-    losses, greedy = lax.map(chunk, (hc, tc))
+    losses, greedy = lax.map(chunk, (hc, tc, *e4m3_xs))
     return losses.reshape(-1)[:M].reshape(B, T), greedy.reshape(-1)[:M].reshape(B, T)
 
 

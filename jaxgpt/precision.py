@@ -8,6 +8,9 @@ Rules (the same in jaxgpt and, through ``torch.autocast``, in torch_ref):
 * everything that is not a matmul (LayerNorm statistics, GELU, softmax, the residual stream, logits and
   the loss) runs in fp32.
 
+``precision: fp8`` is bf16 with the forward GEMMs selected by ``Policy.fp8`` taking float8_e4m3fn operands
+(per-tensor current scaling, fp32 accumulation, bf16 straight-through backward: :mod:`jaxgpt.fp8`).
+
 So "bf16" here means: matmul *operands* in bf16 with fp32 accumulation. On CPU that is the only bf16 that
 pays off (bf16 -> bf16 dots are slower than fp32 in XLA:CPU); on GPU it is what tensor cores do anyway.
 
@@ -24,11 +27,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from jaxgpt import fp8 as f8
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
 DType = Literal["float32", "bfloat16", "float64"]
-PRECISIONS = ("fp32", "bf16", "bf16-autocast", "auto")  # what precision: (TrainConfig, CLIs) accepts
+PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
 Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
 
 
@@ -49,6 +53,12 @@ class Policy:
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
     # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
     gemm_output: Literal["float32", "bfloat16"] = "float32"
+    # the dtype the lm_head's logits are written in (jaxgpt.ops' fused loss: logits_dtype); the loss and its gradient
+    # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float())
+    logits_dtype: Literal["float32", "bfloat16"] = "float32"
+    # which forward GEMMs take e4m3 operands (jaxgpt.fp8: per-tensor current scaling, fp32 accumulation, backward
+    # in compute_dtype): "none", "lm_head", "mlp", "mlp+lm_head" or "all" (+ the attention projections)
+    fp8: f8.Gemms = "none"
 
     def __post_init__(self) -> None:
         if self.layer_norm not in ("plain", "fused"):
@@ -60,6 +70,12 @@ class Policy:
         if self.gemm_output != "float32" and self.compute_dtype != self.gemm_output:
             raise ConfigError(f"Policy.gemm_output = {self.gemm_output!r} needs compute_dtype = {self.gemm_output!r} "
                               f"(got {self.compute_dtype!r}): use Policy.bf16_autocast() or precision: bf16-autocast")
+        if self.fp8 not in f8.GEMM_SETS:
+            raise ConfigError(f"Policy.fp8 = {self.fp8!r}: allowed values are {', '.join(map(repr, f8.GEMM_SETS))}")
+        if self.fp8 != "none" and (self.compute_dtype not in ("bfloat16", "float32") or self.gemm_output != "float32"
+                                   or not self.fast_kernels):
+            raise ConfigError(f"Policy.fp8 = {self.fp8!r} needs compute_dtype bfloat16 (or float32), gemm_output "
+                              "float32 and fast_kernels: use Policy.fp8_policy() or precision: fp8")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
             raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
                               "params, fast_kernels=False)")
@@ -78,7 +94,13 @@ class Policy:
         """torch.autocast's bf16 numerics as torch_ref runs them: bf16 operands, fp32 accumulation, GEMM outputs
         rounded to bf16 (forward and input gradients); bias adds, GELU, LayerNorm, the residual stream and the
         loss in fp32 (``precision: bf16-autocast``)."""
-        return cls(compute_dtype="bfloat16", gemm_output="bfloat16", **kw)
+        return cls(compute_dtype="bfloat16", gemm_output="bfloat16", logits_dtype="bfloat16", **kw)
+
+    @classmethod
+    def fp8_policy(cls, gemms: str = f8.DEFAULT_GEMMS, **kw) -> "Policy":
+        """``precision: fp8``: the bf16 policy with the forward GEMMs named by ``gemms`` (see :attr:`fp8`) in e4m3
+        (jaxgpt.fp8)."""
+        return cls(compute_dtype="bfloat16", fp8=gemms, **kw)
 
     @classmethod
     def fp64(cls) -> "Policy":
@@ -90,16 +112,21 @@ class Policy:
         return cls(compute_dtype="float64", param_dtype="float64", attention="reference", fast_kernels=False)
 
     @classmethod
-    def named(cls, name: str, **kw) -> "Policy":
+    def named(cls, name: str, *, fp8_gemms: str | None = None, **kw) -> "Policy":
         """'fp32', 'bf16', 'bf16-autocast' (:meth:`bf16_autocast`), or 'auto' (see ``default_compute``)."""
         if name == "auto":
             name = default_compute()
+        if fp8_gemms is not None and name != "fp8":
+            raise ConfigError(f"fp8_gemms = {fp8_gemms!r} selects the e4m3 GEMMs of precision: fp8, but precision is "
+                              f"{name!r}: set precision: fp8 or drop fp8_gemms")
         if name in ("fp32", "float32"):
             return cls.fp32(**kw)
         if name in ("bf16", "bfloat16"):
             return cls.bf16(**kw)
         if name == "bf16-autocast":
             return cls.bf16_autocast(**kw)
+        if name == "fp8":  # fp8_gemms: TrainConfig.fp8_gemms (None: f8.DEFAULT_GEMMS)
+            return cls.fp8_policy(fp8_gemms or f8.DEFAULT_GEMMS, **kw)
         raise ConfigError(f"precision = {name!r}: allowed values are {', '.join(map(repr, PRECISIONS))}")
 
     @classmethod
@@ -127,6 +154,10 @@ class Policy:
         """What activation matmuls return: fp32 (fp64 under :meth:`fp64`), or bf16 under ``gemm_output``."""
         return self.accum_dtype if self.gemm_output == "float32" else jnp.dtype(self.gemm_output)
 
+    def round_logits(self, logits: Array) -> Array:
+        """Logits rounded to ``logits_dtype`` and returned in their own dtype (fp32): torch_ref's ``.float()``."""
+        return logits.astype(self.logits_dtype).astype(logits.dtype)
+
     def cast(self, x: Array) -> Array:
         """Cast a matmul operand to the compute dtype."""
         return x.astype(self.dtype)
@@ -136,8 +167,16 @@ class Policy:
         return jnp.einsum(spec, self.cast(a), self.cast(b), precision=self.lax_precision,
                           preferred_element_type=self.accum_dtype)
 
-    def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "... d_out"]:
-        """``x @ w`` under the policy (what every Linear layer calls), its result in :attr:`out_dtype`."""
+    def fp8_on(self, gemm: f8.GemmKind) -> bool:
+        """Whether the forward GEMMs of kind ``gemm`` ("attn", "mlp", "lm_head") run in e4m3 (:attr:`fp8`)."""
+        return gemm in f8.GEMM_SETS[self.fp8]
+
+    def matmul(self, x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, gemm: f8.GemmKind = "attn"
+               ) -> Float[Array, "... d_out"]:
+        """``x @ w`` under the policy (what every Linear layer calls; ``gemm``: its kind for :attr:`fp8`), its result
+        in :attr:`out_dtype`."""
+        if self.fp8_on(gemm):  # e4m3 operands, fp32 result, a compute_dtype backward (jaxgpt.fp8)
+            return f8.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision, out_dtype=self.out_dtype)
         return self.einsum("...i,io->...o", x, w).astype(self.out_dtype)

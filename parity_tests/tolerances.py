@@ -39,6 +39,35 @@ GRAD_FP32_REL = 1e-5
 GRAD_BF16_COS = 0.999
 GRAD_BF16_REL = 2e-2
 
+# precision: bf16-autocast (Policy.bf16_autocast: torch.autocast's roundings, GEMM outputs and logits in bf16) is held
+# to the same logits and gradient bounds as bf16 above: it adds one bf16 rounding (2^-9 relative) per GEMM output,
+# which is what torch_ref under autocast already does and passes them with. Measured on the 2-core AVX2-only AMD EPYC
+# (fp32 logits of the autocast policy, before its logits were rounded): mean KL 1.5e-7 (tiny) / 8.9e-8 (odd), top-1
+# on decided positions 1.0; and it sits closer to torch's autocast logits than the bf16 policy does, RMS 0.91-0.93x
+# the bf16 policy's distance (tiny, odd; init and peaked). CPU kinds: the bf16 roundings are exact IEEE
+# round-to-nearest-even on every CPU (XLA and ATen convert the fp32 accumulator once), so only the fp32 accumulation
+# order differs between AVX2, AVX-512-bf16 and AMX kernels (~1e-7 relative): far below the bf16 rounding these
+# bounds measure.
+#
+# 20 AdamW steps under a bf16 policy (test_train_parity.py, the steps of test_adamw_20_steps): a run's distance from
+# its own framework's fp32 run, against torch.autocast's distance from torch's fp32 run (the forward under autocast,
+# as torch's AMP recipe). As with Muon's bf16 Newton-Schulz (MUON_BF16_NOISE_FACTOR below), each step's loss moves by
+# a fresh draw of rounding noise, so the scale is the envelope max_s |torch_autocast - torch_fp32| over the run.
+# Measured on the 2-core AVX2-only AMD EPYC: torch's envelope 8.4e-5 (per step 8e-6 - 8.4e-5); jaxgpt bf16 5.3e-5 from
+# its fp32 run (0.63x the envelope), 7.2e-5 from torch autocast; bf16-autocast 7.6e-5 (0.90x), 4.9e-5 from torch
+# autocast; final parameters' max per-tensor relative distance from fp32: torch 9.8e-3, bf16 9.75e-3 (0.99x),
+# bf16-autocast 9.9e-3 (1.01x). The factor 3 (as Muon's) covers the spread of two draws of a 20-step maximum and a
+# CPU whose bf16 GEMMs (AMX, AVX-512-bf16) accumulate in another order; a rounding placed wrong (e.g. the optimizer
+# step inside CPU autocast: 7.2e-2) is ~300x the envelope.
+BF16_TRAIN_NOISE_FACTOR = 3.0
+
+
+def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
+    """Per-step bound on a bf16 run's loss distance from its fp32 run (and from torch.autocast's run): the fp32 floor
+    (LOSS_FP32_REL) plus BF16_TRAIN_NOISE_FACTOR x the envelope max_s |torch_autocast - torch_fp32|."""
+    envelope = max(abs(a - b) for a, b in zip(torch_bf16_losses, torch_fp32_losses, strict=True))
+    return [LOSS_FP32_REL * abs(loss) + BF16_TRAIN_NOISE_FACTOR * envelope for loss in torch_fp32_losses]
+
 # Training (issue: training parity): per-step loss and final params after a few optimizer steps, fp32.
 TRAIN_LOSS_ABS = 1e-5
 TRAIN_PARAM_REL = 1e-4
@@ -141,3 +170,38 @@ def muon_bf16_loss_bound(ref_losses, referee_losses):
     the referee): how far bf16 orthogonalisation alone moves torch's losses in this run."""
     envelope = max(abs(loss - referee) for loss, referee in zip(ref_losses, referee_losses, strict=True))
     return [LOSS_FP32_REL * abs(loss) + MUON_BF16_NOISE_FACTOR * envelope for loss in ref_losses]
+
+# ---- fp8 forward GEMMs (test_fp8_parity.py, jaxgpt.fp8 / torch_ref.fp8) ------------------------------------------
+# e4m3 keeps 3 mantissa bits: rounding a normal value costs at most half an ulp, 2^-4 relative (2^-3 for the
+# subnormals below 2^-6 x scale), against bf16's 2^-8 (7 bits); the scales are powers of two, so scaling is exact and
+# the quantization is the same in both frameworks bit for bit (tested), and e4m3 x e4m3 products are exact in fp32.
+E4M3_UNIT_ROUNDOFF = 2.0 ** -4
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+#
+# jaxgpt-fp8 against torch_ref-fp8, everything else fp32 (matmul precision "highest"): the rounded operands are
+# identical wherever the two frameworks' inputs to a quantization are, and the GEMMs then differ by fp32 summation
+# order only. Where the inputs differ by fp32 roundoff d (a few ulps of the value), an element that lies within d of
+# an e4m3 rounding midpoint rounds to the neighbouring value in one framework: a "flip", an operand change of one
+# e4m3 ulp u. The chance of a flip is p ~ 2 d / u <= 2 x 2^7 x 2^-23 / 2^-4 = 2^-11 for inputs that agree to 2^7
+# ulps (the fp32 logits agree to 16 sqrt(n_layer) ulps of their scale, hidden states better). A rounding error is
+# uniform in [-u/2, u/2] (RMS u / sqrt 12) and a flip adds u to it, so p flips among all roundings make a
+# difference of RMS sqrt(12 p) times the RMS of fp8's own error (fp8 - fp32, measured on the same model and tokens):
+# sqrt(12 x 2^-11) = 0.077; the bound doubles it. Measured (tiny, odd; 2-core AVX2 AMD EPYC): no flip at all in the
+# forward (logits RMS difference 6e-10 against fp8's own 8e-3), gradients 1.3e-6 relative against fp8's 2e-2.
+FP8_FLIP_RATIO = 2 * math.sqrt(12 * 2.0 ** -11)
+# Training: once a flip moves one run's weights, later quantizations see different inputs, flips multiply and the two
+# fp8 runs decorrelate into two draws of e4m3 noise around the same trajectory; each is as far from the fp32 run as
+# the other, so |jaxgpt8 - torch8| <= |jaxgpt8 - fp32| + |torch8 - fp32| ~ 2 x the envelope max_s |jaxgpt8 - fp32|
+# (as MUON_BF16_NOISE_FACTOR). Before the first update the quantization is identical: step 0 is held to
+# TRAIN_LOSS_ABS. Measured: steps 0-3 differ by <= 4.8e-7, max 2.8e-4 over 20 steps against an envelope of 8.1e-4
+# (0.34x); parameters 1.7e-3 against fp8's 2.0e-2 from fp32.
+FP8_TRAIN_FACTOR = 2.0
+#
+# fp8 against bf16 on the same model (the named precision: fp8 policy against precision: bf16): the logits' error
+# scales with the operands' unit roundoff, and KL(p || q) ~ Var_p(logit error) / 2 with its square: fp8's KL is
+# (2^-4 / 2^-8)^2 = 256 times bf16's. Bound: KL(p_bf16 || p_fp8) <= 2 x 256 x KL(p_fp32 || p_bf16), measured on the
+# same model and tokens (the factor 2: bf16's own error is part of the bf16 reference), and never above
+# FP8_MEAN_KL_MAX. The argmax must agree wherever bf16's top-1/top-2 margin exceeds BF16_MARGIN_SIGMAS x the RMS of
+# fp8 - bf16 logits, as for bf16 against fp32 (BF16_TOP1_DECIDED).
+FP8_KL_FACTOR = 2 * (E4M3_UNIT_ROUNDOFF / BF16_UNIT_ROUNDOFF) ** 2
+FP8_MEAN_KL_MAX = 5e-2  # nats: a next-token distribution visibly changed by e4m3 rounding fails whatever bf16 did

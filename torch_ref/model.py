@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jaxgpt.config import GPTConfig
+from torch_ref import fp8 as f8
 
 INIT_STD = 0.02
 
@@ -36,15 +37,17 @@ class LayerNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """y = x @ weight + bias, ``weight`` stored (in, out) like Hugging Face's Conv1D."""
+    """y = x @ weight + bias, ``weight`` stored (in, out) like Hugging Face's Conv1D. ``gemm``: its kind for fp8
+    ("attn" or "mlp"); ``fp8``: e4m3 operands (torch_ref.fp8, set by GPT.set_fp8)."""
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float):
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, std: float, gemm: str = "attn"):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(d_in, d_out) * std)
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self.gemm, self.fp8 = gemm, False
 
     def forward(self, x):
-        y = x @ self.weight
+        y = f8.matmul(x, self.weight) if self.fp8 else x @ self.weight
         return y + self.bias if self.bias is not None else y
 
 
@@ -84,8 +87,8 @@ class MLP(nn.Module):
         super().__init__()
         C = config.n_embd
         resid_std = INIT_STD / math.sqrt(2 * config.n_layer)
-        self.c_fc = Linear(C, 4 * C, bias=config.bias, std=INIT_STD)
-        self.c_proj = Linear(4 * C, C, bias=config.bias, std=resid_std)
+        self.c_fc = Linear(C, 4 * C, bias=config.bias, std=INIT_STD, gemm="mlp")
+        self.c_proj = Linear(4 * C, C, bias=config.bias, std=resid_std, gemm="mlp")
         self.dropout = config.dropout
 
     def forward(self, x):
@@ -114,6 +117,7 @@ class GPT(nn.Module):
         if attention not in ("sdpa", "math"):
             raise ValueError(f"attention = {attention!r}: allowed values are 'sdpa', 'math'")
         self.config = config
+        self.fp8_head = False  # the lm_head GEMM in e4m3 (set_fp8)
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
         self.wte = nn.Embedding(config.vocab_rows, config.n_embd)
@@ -131,6 +135,15 @@ class GPT(nn.Module):
         for block in self.h:
             block.attn.attention = attention
 
+    def set_fp8(self, gemms: str) -> None:
+        """jaxgpt's ``precision: fp8``: the forward GEMMs named by ``gemms`` (jaxgpt.fp8.GEMM_SETS' names) with
+        e4m3 operands; run the model under ``torch.autocast`` (bf16) as for bf16, or without it for an fp32 rest."""
+        chosen = f8.GEMM_SETS[gemms]
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.fp8 = m.gemm in chosen
+        self.fp8_head = "lm_head" in chosen
+
     def forward(self, idx, targets=None):
         B, T = idx.size()
         if T > self.config.block_size:
@@ -140,7 +153,8 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         x = self.ln_f(x)
-        logits = (x @ self.wte.weight.t()).float()[..., : self.config.vocab_size]  # tied lm_head, fp32
+        head = f8.matmul if self.fp8_head else torch.matmul
+        logits = head(x, self.wte.weight.t()).float()[..., : self.config.vocab_size]  # tied lm_head, fp32
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

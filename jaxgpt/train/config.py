@@ -28,7 +28,9 @@ class TrainConfig:
     init_from: str = "scratch"  # "scratch", a Hugging Face name ("gpt2", "gpt2-medium", ...) or a local HF dir
     dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
     # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
-    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp8"] = "auto"
+    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.fp8); None: jaxgpt.fp8.DEFAULT_GEMMS
+    fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
     layer_norm: Literal["plain", "fused"] = "plain"  # Policy.layer_norm: fused = jaxgpt.norm's two-pass backward
     # ---- optimizer --------------------------------------------------------------------------------------

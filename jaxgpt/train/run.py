@@ -242,7 +242,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         from jaxgpt.precision import Policy
 
         cfg = self.cfg
-        self.policy = Policy.named(cfg.precision, attention=cfg.attention,
+        self.policy = Policy.named(cfg.precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
                                    layer_norm=cfg.layer_norm)
         model = build_model(cfg, self.policy)
         self.model_cfg = model.config
