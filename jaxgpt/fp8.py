@@ -80,8 +80,11 @@ def round_e4m3(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
 
 def _forward(x, w, dtype, precision):
     xc, wc = x.astype(dtype), w.astype(dtype)
-    y = jax.lax.dot(round_e4m3(xc, dtype), round_e4m3(wc, dtype), precision=precision,
-                    preferred_element_type=jnp.float32)
+    (qx, sx), (qw, sw) = quantize(xc), quantize(wc)
+    # the e4m3 operands go into the dot itself, the scales multiply its fp32 result: dequantizing first
+    # (convert(f8 -> bf16) x scale -> dot) was undone by XLA:GPU, which drops a bf16 -> f8 -> bf16 convert pair
+    # when excess precision is allowed (its default), leaving a plain bf16 GEMM
+    y = jax.lax.dot(qx, qw, precision=precision, preferred_element_type=jnp.float32) * (sx * sw)
     return y, (xc, wc, jnp.zeros((), x.dtype))
 
 
