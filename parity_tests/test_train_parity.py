@@ -45,10 +45,10 @@ C = CFG.n_embd
 MICRO_STEPS, MICRO_BATCH, SEQ = 4, 4, 32
 
 
-def build(seed: int = 0) -> GPT:
+def build(seed: int = 0, policy: Policy = POLICY) -> GPT:
     """GPT-2-like random parameters drawn in numpy (no eager JAX ops); biases and LayerNorm scales get a
     little noise so that no parameter starts at exactly 0 or 1."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(CFG, policy=POLICY, rngs=nnx.Rngs(0))), nnx.Param)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(CFG, policy=policy, rngs=nnx.Rngs(0))), nnx.Param)
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(state):
         shape, name = var.get_value().shape, path[-1]
@@ -127,6 +127,92 @@ def test_adamw_20_steps(device):
     report(f"adamw 20 steps [{device}]", loss_diffs, rel)
     assert max(loss_diffs) <= TRAIN_LOSS_ABS, loss_diffs
     assert max(rel.values()) <= TRAIN_PARAM_REL, {k: v for k, v in rel.items() if v > TRAIN_PARAM_REL}
+
+
+# ---- AdamW in bf16: each framework's distance from its own fp32 run ------------------------------------------------
+ADAMW_20 = OptimConfig(name="adamw", lr=1e-3, warmup_steps=5, decay_steps=15, weight_decay=0.1, grad_clip=0.5)
+
+
+def jax_adamw_run(policy: Policy, data, device: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The 20 AdamW steps of test_adamw_20_steps under ``policy``: each step's loss and the final parameters."""
+    with on_device(device):
+        mesh = data_mesh([jax_device(device)])
+        optimizer = make_optimizer(ADAMW_20)
+        graphdef, state = init_train_state(build(policy=policy), optimizer, mesh=mesh)
+        step = make_train_step(graphdef, optimizer, micro_steps=MICRO_STEPS, mesh=mesh)
+        losses = []
+        for x, y in data:
+            state, m = step(state, x, y)
+            losses.append(float(m["loss"]))
+    return losses, params_to_ref(state.params)
+
+
+def torch_adamw_run(data, device: str, *, bf16: bool) -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same steps in torch_ref from the same weights, the forward under torch.autocast(bf16) when ``bf16`` (the
+    forward only, as torch's AMP recipe has it: with the optimizer step inside autocast too, CPU autocast moved
+    torch's 20-step losses from its fp32 run by up to 7.2e-2, against 8.4e-5 forward-only)."""
+    ref = torch_model(build(), device)
+    if bf16:
+        forward = ref.forward
+
+        def autocast_forward(*args, **kwargs):
+            with torch.autocast(device, dtype=torch.bfloat16):
+                return forward(*args, **kwargs)
+        ref.forward = autocast_forward
+    losses = ref_train.train_steps(ref, data, ADAMW_20)
+    return losses, {k: t.detach().cpu().numpy() for k, t in ref.state_dict().items()}
+
+
+def max_param_rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """The largest per-tensor max|a - b| / max|b| (key bias left out, see the module docstring)."""
+    return max(float(np.abs(without_key_bias(k, a[k]) - without_key_bias(k, b[k])).max()
+                     / np.abs(without_key_bias(k, b[k])).max()) for k in b)
+
+
+@pytest.fixture(scope="module")
+def adamw_fp32_runs():
+    """The fp32 runs both frameworks' bf16 runs are measured from (per device), computed once."""
+    cache = {}
+
+    def get(device):
+        if device not in cache:
+            data = batches(20)
+            cache[device] = dict(data=data, jax=jax_adamw_run(POLICY, data, device),
+                                 torch=torch_adamw_run(data, device, bf16=False),
+                                 torch_bf16=torch_adamw_run(data, device, bf16=True))
+        return cache[device]
+    return get
+
+
+@pytest.mark.slow  # ~2-3 min on 2 cores: four 20-step runs
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def test_adamw_20_steps_bf16_within_torch_autocast_noise(device, precision, adamw_fp32_runs, parity_report):
+    """20 AdamW steps (those of test_adamw_20_steps) under a bf16 policy move jaxgpt's losses and parameters from
+    its own fp32 run by no more than torch.autocast moves torch_ref's from torch's fp32 run, up to
+    tolerances.BF16_TRAIN_NOISE_FACTOR (the envelope of torch's per-step loss distance: see there); and jaxgpt's
+    bf16 losses sit within the same bound of torch's autocast losses."""
+    from tolerances import BF16_TRAIN_NOISE_FACTOR, bf16_train_loss_bound
+
+    runs = adamw_fp32_runs(device)
+    (j32, p_j32), (t32, p_t32), (t16, p_t16) = runs["jax"], runs["torch"], runs["torch_bf16"]
+    j16, p_j16 = jax_adamw_run(Policy.named(precision, matmul_precision="highest"), runs["data"], device)
+    bound = bf16_train_loss_bound(t32, t16)
+    own = [abs(a - b) for a, b in zip(j16, j32, strict=True)]  # jaxgpt bf16 from jaxgpt fp32
+    torch_own = [abs(a - b) for a, b in zip(t16, t32, strict=True)]
+    vs_torch = [abs(a - b) for a, b in zip(j16, t16, strict=True)]  # jaxgpt bf16 from torch autocast
+    rel_own, rel_torch = max_param_rel(p_j16, p_j32), max_param_rel(p_t16, p_t32)
+    rel_vs_torch = max_param_rel(p_j16, p_t16)
+    parity_report(f"adamw20/{precision}/{device}", loss_from_own_fp32=max(own), torch_loss_from_fp32=max(torch_own),
+                  loss_from_torch_autocast=max(vs_torch), param_rel_from_own_fp32=rel_own,
+                  torch_param_rel_from_fp32=rel_torch, param_rel_from_torch_autocast=rel_vs_torch,
+                  loss_envelope_ratio=max(own) / max(torch_own), param_ratio=rel_own / rel_torch)
+    print(f"\nadamw 20 steps {precision} [{device}]: loss from own fp32 {max(own):.2e} (torch {max(torch_own):.2e}), "
+          f"from torch autocast {max(vs_torch):.2e}; params from own fp32 {rel_own:.2e} (torch {rel_torch:.2e}), "
+          f"from torch autocast {rel_vs_torch:.2e}")
+    assert j16[-1] < j16[0] - 0.1  # it learns
+    assert all(d <= b for d, b in zip(own, bound)), [(d, b) for d, b in zip(own, bound)]
+    assert all(d <= b for d, b in zip(vs_torch, bound)), [(d, b) for d, b in zip(vs_torch, bound)]
+    assert rel_own <= BF16_TRAIN_NOISE_FACTOR * rel_torch + TRAIN_PARAM_REL, (rel_own, rel_torch)
 
 
 # ---- every other optimizer: the train step's pieces (jit_grads + the optax chain) ------------------------------

@@ -1,0 +1,85 @@
+"""precision: bf16-autocast (jaxgpt.precision.Policy.bf16_autocast): the name reaches the policy from every entry
+point, each of its numerics is its own Policy field (the bf16 program stays reachable), and the dtypes come out where
+torch.autocast puts them: bf16 GEMM outputs and input gradients, bf16-rounded logits, fp32 everything else."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgpt import ops
+from jaxgpt.config import ConfigError, GPTConfig
+from jaxgpt.model import GPT
+from jaxgpt.precision import PRECISIONS, Policy
+from jaxgpt.train import TrainConfig
+
+
+def test_named_policy_and_its_fields():
+    p = Policy.named("bf16-autocast")
+    assert (p.compute_dtype, p.gemm_output, p.logits_dtype) == ("bfloat16", "bfloat16", "bfloat16")
+    assert p.out_dtype == jnp.bfloat16
+    b = Policy.named("bf16")
+    assert (b.gemm_output, b.logits_dtype, b.out_dtype) == ("float32", "float32", jnp.float32)
+    # each numerics change is a field of its own: bf16 plus one field is a program of its own
+    assert Policy.bf16(gemm_output="bfloat16") != p and Policy.bf16(logits_dtype="bfloat16") != p
+    assert Policy.named("bf16-autocast", attention="xla").attention == "xla"
+    assert "bf16-autocast" in PRECISIONS
+
+
+def test_refusals_are_one_line():
+    with pytest.raises(ConfigError, match="gemm_output .* needs compute_dtype"):
+        Policy.fp32(gemm_output="bfloat16")
+    with pytest.raises(ConfigError, match="allowed values are 'fp32', 'bf16', 'bf16-autocast'"):
+        Policy.named("autocast")
+
+
+def test_train_config_and_clis_accept_it():
+    assert TrainConfig.from_dict({"model_preset": "gpt2", "precision": "bf16-autocast"}).precision == "bf16-autocast"
+    with pytest.raises(ConfigError, match="precision"):
+        TrainConfig.from_dict({"model_preset": "gpt2", "precision": "bf16-autocst"})
+    from jaxgpt.eval.cli import _parser as eval_parser
+    from jaxgpt.generate import build_parser as gen_parser
+
+    assert gen_parser().parse_args(["--init-from", "x", "--precision", "bf16-autocast"]).precision == "bf16-autocast"
+    args = eval_parser().parse_args(["--task", "hellaswag", "--init-from", "x", "--precision", "bf16-autocast"])
+    assert args.precision == "bf16-autocast"
+
+
+def test_matmul_rounds_output_and_input_gradient_not_weight_gradient():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
+    exact = jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    y = ops.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(exact.astype(jnp.bfloat16)))
+    g = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    dx, dw = jax.vjp(lambda a, b: ops.matmul(a, b, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16), x, w)[1](
+        g.astype(jnp.bfloat16))
+    dx32, dw32 = jax.vjp(lambda a, b: ops.matmul(a, b, dtype=jnp.bfloat16), x, w)[1](g)
+    assert dx.dtype == dw.dtype == jnp.float32  # the parameters' and inputs' dtypes
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx32.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(dw32))  # weight gradients: not rounded
+    assert not np.array_equal(np.asarray(dx32), np.asarray(dx))  # the rounding did something
+
+
+@pytest.mark.parametrize("fast_kernels", [True, False])
+def test_model_dtypes_and_logits(fast_kernels):
+    cfg = GPTConfig.preset("tiny", vocab_size=512)
+    auto = GPT(cfg, policy=Policy.bf16_autocast(fast_kernels=fast_kernels), rngs=nnx.Rngs(0))
+    bf16 = GPT(cfg, policy=Policy.bf16(fast_kernels=fast_kernels), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).integers(0, 512, (2, 16)), jnp.int32)
+    block = auto.h[0]
+    assert block.mlp.c_fc.policy.matmul(jnp.ones((2, 32)), block.mlp.c_fc.kernel[...]).dtype == jnp.bfloat16
+    assert block.mlp.c_fc(jnp.ones((2, 32))).dtype == jnp.float32  # + fp32 bias: promoted, as in torch_ref
+    logits = auto(x)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits.astype(jnp.bfloat16).astype(jnp.float32)))
+    ref = bf16(x)
+    assert not np.array_equal(np.asarray(ref), np.asarray(ref.astype(jnp.bfloat16).astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.05)
+    la, lb = float(auto.loss(x, x)), float(bf16.loss(x, x))
+    assert abs(la - lb) < 1e-2 * lb
