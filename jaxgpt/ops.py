@@ -231,18 +231,25 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
 
 
 def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
-    """(extra scan inputs, operands(h_i, *extra_i)) of the logits GEMM. Without ``fp8``: ((), (h_i, w_c)). With it
-    (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales of the whole arrays;
-    the e4m3 chunks are dequantized inside the loop body, next to the dot, where XLA:GPU's GEMM rewriter makes one
-    cuBLASLt fp8 GEMM of convert -> scale -> dot."""
+    """(extra scan inputs, operands(h_i, *extra_i), the logits' scale) of the logits GEMM. Without ``fp8``: ((),
+    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales
+    of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales (a
+    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.fp8)."""
     if not fp8:
-        return (), lambda h_i: (h_i, w_c)
+        return (), lambda h_i: (h_i, w_c), None
     from jaxgpt import fp8 as f8  # imports this module
 
     hq, h_scale = f8.quantize(h.astype(dtype))
     wq, w_scale = f8.quantize(w_c)
     hq = jnp.pad(hq, ((0, pad), (0, 0))).reshape(chunks_shape)
-    return (hq,), lambda _, hq_i: (f8.dequantize(hq_i, h_scale, dtype), f8.dequantize(wq, w_scale, dtype))
+    return (hq,), lambda _, hq_i: (hq_i, wq), h_scale * w_scale
+
+
+def _scaled(scale, raw, logits):
+    """(raw, logits) times the e4m3 operands' power-of-two scale (exact); as they are without one."""
+    if scale is None:
+        return raw, logits
+    return raw * scale.astype(raw.dtype), logits * scale
 
 
 def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, logits_dtype=jnp.float32):
@@ -260,7 +267,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     hc = hp.reshape(n_chunks, rows, C)
     tc = tp.reshape(n_chunks, rows)
     w_c, mask_padded = _head_rows(w, vocab_size, dtype)
-    e4m3_xs, logits_operands = _e4m3_head(h, w_c, pad, hc.shape, dtype, fp8)
+    e4m3_xs, logits_operands, logits_scale = _e4m3_head(h, w_c, pad, hc.shape, dtype, fp8)
     Vc = w_c.shape[0]
     online = platform() != "cpu"  # GPUs: max and sum of exp in one pass over the fp32 logits (_max_and_sum_exp)
 
@@ -269,7 +276,8 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
         h_i, t_i, ok, *hq_i = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        raw, logits = _head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype, mask_padded)
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype,
+                                                          mask_padded))
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
         if online:
@@ -374,11 +382,12 @@ def token_cross_entropy(
     hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
     tc = jnp.pad(targets.reshape(M), (0, pad)).reshape(n_chunks, rows)
     w_c, mask_padded = _head_rows(w, vocab_size, dtype)
-    e4m3_xs, logits_operands = _e4m3_head(h.reshape(M, C), w_c, pad, hc.shape, dtype, fp8)
+    e4m3_xs, logits_operands, logits_scale = _e4m3_head(h.reshape(M, C), w_c, pad, hc.shape, dtype, fp8)
 
     def chunk(inp):
         h_i, t_i, *hq_i = inp
-        raw, logits = _head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype, mask_padded)
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype,
+                                                          mask_padded))
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
         return lse - tgt, tgt >= jnp.max(logits, axis=-1)
