@@ -253,10 +253,23 @@ class MLP(nnx.Module):
         self.dropout = config.dropout
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, dropout_key=None) -> Float[Array, "batch seq embed"]:
-        h = self.c_fc(x)
-        with jax.named_scope("gelu"):
-            h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
+        fc = self.c_fc
+        if fc.policy.gemm_output != "float32" and fc.bias is not None:
+            # bf16 GEMM output: the backward keeps it (and the bias) and recomputes bias + GELU from it, the same
+            # values; else XLA kept the fp32 tanh as well, 805 MB per layer at gpt2 b64 (memory and traffic)
+            y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
+            with jax.named_scope("gelu"):
+                h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
+        else:
+            h = fc(x)
+            with jax.named_scope("gelu"):
+                h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
         return dropout(self.c_proj(h), self.dropout, dropout_key)
+
+
+def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Array, "... d"]:
+    """GPT-2's tanh GELU of ``y + bias`` (fp32: a bf16 ``y`` is promoted by the fp32 bias, as in torch_ref)."""
+    return jax.nn.gelu(y + bias, approximate=True)
 
 
 class Block(nnx.Module):

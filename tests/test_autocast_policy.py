@@ -83,3 +83,24 @@ def test_model_dtypes_and_logits(fast_kernels):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=0.05)
     la, lb = float(auto.loss(x, x)), float(bf16.loss(x, x))
     assert abs(la - lb) < 1e-2 * lb
+
+
+def test_mlp_recomputes_gelu_with_the_same_values_and_gradients():
+    """Under bf16 GEMM outputs the MLP keeps the bf16 c_fc output for the backward and recomputes bias + GELU
+    (jax.checkpoint): the same values and gradients as the plain expression."""
+    from jaxgpt.model import MLP
+
+    cfg = GPTConfig.preset("tiny", vocab_size=512)
+    mlp = MLP(cfg, policy=Policy.bf16_autocast(), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, cfg.n_embd)), jnp.float32)
+
+    def plain(m, x):
+        return jnp.sum(m.c_proj(jax.nn.gelu(m.c_fc(x), approximate=True)) ** 2)
+
+    def mine(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    (va, ga), (vb, gb) = (nnx.value_and_grad(f, argnums=(0, 1))(mlp, x) for f in (mine, plain))
+    np.testing.assert_allclose(float(va), float(vb), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
