@@ -56,38 +56,9 @@ GRAD_BF16_REL = 2e-2
 # as torch's AMP recipe). As with Muon's bf16 Newton-Schulz (MUON_BF16_NOISE_FACTOR below), each step's loss moves by
 # a fresh draw of rounding noise, so the scale is the envelope max_s |torch_autocast - torch_fp32| over the run.
 # Measured on the 2-core AVX2-only AMD EPYC: torch's envelope 8.4e-5 (per step 8e-6 - 8.4e-5); jaxgpt bf16 5.3e-5 from
-# its fp32 run (0.63x the envelope), 7.2e-5 from torch autocast; bf16-autocast 7.6e-5 (0.90x), 4.9e-5 from torch
+# its fp32 run (0.63x the envelope), 7.2e-5 from torch autocast; bf16-autocast 8.2e-5 (0.97x), 6.9e-5 from torch
 # autocast; final parameters' max per-tensor relative distance from fp32: torch 9.8e-3, bf16 9.75e-3 (0.99x),
-# bf16-autocast 9.9e-3 (1.01x). The factor 3 (as Muon's) covers the spread of two draws of a 20-step maximum and a
-# CPU whose bf16 GEMMs (AMX, AVX-512-bf16) accumulate in another order; a rounding placed wrong (e.g. the optimizer
-# step inside CPU autocast: 7.2e-2) is ~300x the envelope.
-BF16_TRAIN_NOISE_FACTOR = 3.0
-
-
-def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
-    """Per-step bound on a bf16 run's loss distance from its fp32 run (and from torch.autocast's run): the fp32 floor
-    (LOSS_FP32_REL) plus BF16_TRAIN_NOISE_FACTOR x the envelope max_s |torch_autocast - torch_fp32|."""
-    envelope = max(abs(a - b) for a, b in zip(torch_bf16_losses, torch_fp32_losses, strict=True))
-    return [LOSS_FP32_REL * abs(loss) + BF16_TRAIN_NOISE_FACTOR * envelope for loss in torch_fp32_losses]
-
-# precision: bf16-autocast (Policy.bf16_autocast: torch.autocast's roundings, GEMM outputs and logits in bf16) is held
-# to the same logits and gradient bounds as bf16 above: it adds one bf16 rounding (2^-9 relative) per GEMM output,
-# which is what torch_ref under autocast already does and passes them with. Measured on the 2-core AVX2-only AMD EPYC
-# (fp32 logits of the autocast policy, before its logits were rounded): mean KL 1.5e-7 (tiny) / 8.9e-8 (odd), top-1
-# on decided positions 1.0; and it sits closer to torch's autocast logits than the bf16 policy does, RMS 0.91-0.93x
-# the bf16 policy's distance (tiny, odd; init and peaked). CPU kinds: the bf16 roundings are exact IEEE
-# round-to-nearest-even on every CPU (XLA and ATen convert the fp32 accumulator once), so only the fp32 accumulation
-# order differs between AVX2, AVX-512-bf16 and AMX kernels (~1e-7 relative): far below the bf16 rounding these
-# bounds measure.
-#
-# 20 AdamW steps under a bf16 policy (test_train_parity.py, the steps of test_adamw_20_steps): a run's distance from
-# its own framework's fp32 run, against torch.autocast's distance from torch's fp32 run (the forward under autocast,
-# as torch's AMP recipe). As with Muon's bf16 Newton-Schulz (MUON_BF16_NOISE_FACTOR below), each step's loss moves by
-# a fresh draw of rounding noise, so the scale is the envelope max_s |torch_autocast - torch_fp32| over the run.
-# Measured on the 2-core AVX2-only AMD EPYC: torch's envelope 8.4e-5 (per step 8e-6 - 8.4e-5); jaxgpt bf16 5.3e-5 from
-# its fp32 run (0.63x the envelope), 7.2e-5 from torch autocast; bf16-autocast 7.6e-5 (0.90x), 4.9e-5 from torch
-# autocast; final parameters' max per-tensor relative distance from fp32: torch 9.8e-3, bf16 9.75e-3 (0.99x),
-# bf16-autocast 9.9e-3 (1.01x). The factor 3 (as Muon's) covers the spread of two draws of a 20-step maximum and a
+# bf16-autocast 9.6e-3 (0.97x). The factor 3 (as Muon's) covers the spread of two draws of a 20-step maximum and a
 # CPU whose bf16 GEMMs (AMX, AVX-512-bf16) accumulate in another order; a rounding placed wrong (e.g. the optimizer
 # step inside CPU autocast: 7.2e-2) is ~300x the envelope.
 BF16_TRAIN_NOISE_FACTOR = 3.0
