@@ -405,3 +405,21 @@ def test_train_step_device_gpu_is_the_gpu_bench_and_commands_name_their_module(m
     assert common.command_line() == "python -m benchmarks.gpu.bench ab --dry"
     monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "train_step.py"), "--quick"])
     assert common.command_line() == "python -m benchmarks.train_step --quick"
+
+
+def test_issue_32s_table_of_changes_reads_the_committed_predictions_and_is_in_benchmarks_md():
+    """benchmarks.gpu.changes: every row's programs come from committed `jaxgpt.compile --json` files, each compared
+    with the same command's baseline; the markdown in results is what the script writes and BENCHMARKS.md holds it."""
+    from benchmarks.gpu import changes
+
+    table = changes.rows()
+    base = table[0]
+    assert base["b64"]["ms"] == pytest.approx(166.6, abs=0.05) and base["b64"]["vs_baseline"] == 0.0
+    assert all("b64" in r for r in table), [r["change"] for r in table if "b64" not in r]
+    fp8 = next(r for r in table if r["setting"] == "precision=fp8")
+    assert fp8["b64"]["vs_baseline"] > 0  # fp8 is predicted slower: the table must show it, not hide it
+    text = changes.markdown(table)
+    assert text == changes.OUT.read_text(), "rerun: python -m benchmarks.gpu.changes"
+    assert text.strip().splitlines()[0] in (ROOT / "BENCHMARKS.md").read_text()
+    met = [r for r in table if r["b64"]["ms"] <= changes.TARGETS_MS["b64"]]
+    assert ("**Not met by any row.**" in text) == (not met)
