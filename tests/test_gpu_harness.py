@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 
 import pytest
 
@@ -40,6 +41,20 @@ def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
     assert saved["rows"] == json.loads(json.dumps(res["rows"]))
     md = (results / "train_step-gpu-dry.md").read_text()
     assert "| gpt2 | **jax_bf16** | 2 |" in md and "Targets" in md
+
+
+def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
+    """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8) run through the GPU worker (dry: the CPU, a
+    tiny batch), so the next lent GPU measures them beside jax_bf16 with `benchmarks.gpu.bench --variants ...`."""
+    res = gpu_bench.run(dry=True, batches=[2], eager_batches=[], medium_batch=None, steps=5, budget_s=600,
+                        variants=gpu_bench.OPT_IN_VARIANTS, log=lambda s: None)
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == set(gpu_bench.OPT_IN_VARIANTS) and not any("error" in r for r in rows.values()), rows
+    policy = {v: r["details"]["policy"] for v, r in rows.items()}
+    assert "gemm_output='bfloat16'" in policy["jax_bf16_autocast"] and "layer_norm='plain'" in policy["jax_bf16_autocast"]
+    assert "gemm_output='bfloat16'" in policy["jax_autocast_fused_ln"] and "layer_norm='fused'" in policy["jax_autocast_fused_ln"]
+    assert "fp8='all'" in policy["jax_fp8"]
+    assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
 def fake_worker(fits: dict[str, int], step_s: dict[str, float]):

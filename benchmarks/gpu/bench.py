@@ -39,6 +39,10 @@ from benchmarks import common
 WORKER = "benchmarks.gpu.worker"  # the module each variant runs in (common.run_worker's ``module``)
 
 VARIANTS = ["jax_bf16", "torch_compile_bf16"]  # grown over --batches
+# also accepted by --variants: the opt-in programs of issues 32 and 33 (benchmarks.gpu.worker.GPU_VARIANTS), e.g.
+#   python -m benchmarks.gpu.bench --batches 64,16 --eager-batches "" --medium-batch 0 \
+#       --variants jax_bf16,jax_bf16_autocast,jax_autocast_fused_ln,jax_fp8,torch_compile_bf16
+OPT_IN_VARIANTS = ["jax_bf16_autocast", "jax_autocast_fused_ln", "jax_fp8"]
 EAGER = "torch_eager_bf16"
 SHAPES = {"gpt2": ("gpt2", 1024), "gpt2-medium": ("gpt2-medium", 1024)}
 DRY_SHAPES = {"gpt2": ("tiny", 64), "gpt2-medium": ("mini", 64)}  # --dry: the plumbing, on the CPU
@@ -352,13 +356,14 @@ def main(argv=None) -> int:
     p.add_argument("--medium-batch", type=int, default=16, help="gpt2-medium's micro-batch (0: skip)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant (windows of 5)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no variant after this many seconds")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"grown over --batches; a comma list of {VARIANTS}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"grown over --batches; a comma list of {VARIANTS + OPT_IN_VARIANTS}")
     p.add_argument("--out", help="results file stem (default train_step-gpu-<h100|h200|a100|other>, or -dry)")
     p.add_argument("--micro-steps", type=int, default=1, help="micro-batches per optimizer step (accumulated)")
     a = p.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    if any(v not in VARIANTS for v in variants):
-        raise SystemExit(f"--variants {a.variants!r}: allowed are {VARIANTS}")
+    if any(v not in VARIANTS + OPT_IN_VARIANTS for v in variants):
+        raise SystemExit(f"--variants {a.variants!r}: allowed are {VARIANTS + OPT_IN_VARIANTS}")
     res = run(dry=a.dry, batches=_ints(a.batches), eager_batches=_ints(a.eager_batches),
               medium_batch=a.medium_batch or None, steps=a.steps, budget_s=a.budget_s, variants=variants,
               name=a.out, micro_steps=a.micro_steps, log=lambda s: print(s, flush=True))

@@ -34,11 +34,21 @@ def is_oom(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or any(m in str(exc) for m in OOM_MARKERS)
 
 
+# the opt-in programs of issues 32 and 33, measured beside jax_bf16 by `benchmarks.gpu.bench --variants ...`:
+# (framework, precision, compiled), and the Policy fields a variant sets beyond its precision's
+GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
+                "jax_bf16_autocast": ("jax", "bf16-autocast", True),
+                "jax_autocast_fused_ln": ("jax", "bf16-autocast", True),
+                "jax_fp8": ("jax", "fp8", True)}
+VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}}
+
+
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     """The ``train`` task: the spec's variant on the same fixed batch and initial weights as the CPU worker's."""
     cfg = worker.gpt_config(spec)
     x, y = worker.make_batch(cfg, spec.get("micro_steps", 1), spec["batch"], spec["seq"])
-    return run_train_gpu(spec, cfg, worker.TRAIN_VARIANTS[spec["variant"]], x, y, worker.load_init(spec.get("init")))
+    spec = {**spec, "policy": {**VARIANT_POLICY.get(spec["variant"], {}), **spec.get("policy", {})}}
+    return run_train_gpu(spec, cfg, GPU_VARIANTS[spec["variant"]], x, y, worker.load_init(spec.get("init")))
 
 
 def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, y, init) -> dict[str, Any]:
