@@ -156,6 +156,8 @@ class Policy:
 
     def round_logits(self, logits: Array) -> Array:
         """Logits rounded to ``logits_dtype`` and returned in their own dtype (fp32): torch_ref's ``.float()``."""
+        if self.logits_dtype == "float32":  # no rounding beyond the accumulation's (fp64 stays fp64)
+            return logits
         return logits.astype(self.logits_dtype).astype(logits.dtype)
 
     def cast(self, x: Array) -> Array:

@@ -375,7 +375,7 @@ def test_cli_directory_that_is_neither(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "-3"], ["--temperature", "hot"],
-                                  ["--precision", "fp8"], ["--top-k", "-1"], ["--num-samples", "0"]])
+                                  ["--precision", "fp16"], ["--top-k", "-1"], ["--num-samples", "0"]])
 def test_cli_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
