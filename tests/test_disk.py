@@ -242,12 +242,15 @@ def test_the_sibling_writes_of_a_failed_save_are_not_logged_as_unretrieved(caplo
     def async_serialize_from_host():  # the name of orbax's write coroutine
         raise ValueError("RESOURCE_EXHAUSTED: Error writing ... No space left on device")
 
+    def write_fragment():  # its inner coroutine, gathered: the only frame of a failed _GatheringFuture (CI)
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing ... No space left on device")
+
     def something_else():
         raise ValueError("a real asyncio problem")
 
     quiet_abandoned_reads()
     caught = {}
-    for name, fn in (("write", async_serialize_from_host), ("other", something_else)):
+    for name, fn in (("write", async_serialize_from_host), ("fragment", write_fragment), ("other", something_else)):
         try:
             fn()
         except ValueError as e:
@@ -256,7 +259,9 @@ def test_the_sibling_writes_of_a_failed_save_are_not_logged_as_unretrieved(caplo
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         for e in caught.values():
             log.error("Task exception was never retrieved", exc_info=(type(e), e, e.__traceback__))
-    assert [r.exc_info[1] for r in caplog.records] == [caught["other"]]
+            log.error("_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished "
+                      "exception=%r>", e, exc_info=(type(e), e, e.__traceback__))
+    assert [r.exc_info[1] for r in caplog.records] == [caught["other"]] * 2
 
 
 # ---- metrics.jsonl and loss.png ------------------------------------------------------------------------------

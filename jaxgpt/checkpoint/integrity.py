@@ -152,9 +152,12 @@ def describe_error(e: BaseException) -> str:
 
 ABANDONED_READ = "_read_array_index_and_device_put"  # orbax's coroutine that reads one array
 # orbax's coroutine that writes one array's fragments: when a save fails (a full disk), the first failure reaches
-# the save's future and is reported (Checkpoints.check); its sibling writes that failed too are never retrieved
-ABANDONED_WRITE = "async_serialize_from_host"
-ABANDONED = (ABANDONED_READ, ABANDONED_WRITE)
+# the save's future and is reported (Checkpoints.check); its sibling writes that failed too are never retrieved.
+# Their fragments are written by its inner coroutine ``write_fragment`` under an ``asyncio.gather``: when several
+# fail, asyncio logs "_GatheringFuture exception was never retrieved" with a traceback of that frame alone (CI,
+# 2026-11-26).
+ABANDONED_WRITE = ("async_serialize_from_host", "write_fragment")
+ABANDONED = (ABANDONED_READ, *ABANDONED_WRITE)
 
 
 def _from_abandoned_read(exc: BaseException | None, text: str = "") -> bool:
