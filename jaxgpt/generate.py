@@ -40,7 +40,8 @@ from __future__ import annotations
 if __name__ == "__main__":  # before the imports below, so a Ctrl-C during them is one line too (jaxgpt.interrupt):
     from jaxgpt.interrupt import run_cli  # run_cli imports this file as jaxgpt.generate and runs its main
 
-    run_cli("jaxgpt.generate:main", "jaxgpt.generate", left="the samples printed so far are complete")
+    run_cli("jaxgpt.generate:main", "jaxgpt.generate", left="the samples printed so far are complete",
+            watch=True)
 
 import argparse
 import collections

@@ -16,7 +16,18 @@ After the line the process ends with ``os._exit``: a normal interpreter shutdown
 running can crash (SIGSEGV) after the message was printed. A Ctrl-C that library code swallowed (JAX's garbage
 collection callback would print ``Exception ignored in: ... KeyboardInterrupt`` and carry on) is delivered again
 a moment later, to the tool's own code; and the handler records every SIGINT, so a tool that returns normally
-after one exits 130 too."""
+after one exits 130 too.
+
+But Python runs a signal handler only when the main thread returns to Python, and an XLA compilation (seconds
+here, half a minute for GPT-2 compiled for an H100) does not; when it does return, the ``KeyboardInterrupt`` may
+be raised inside one of JAX's bare ``except:`` clauses and swallowed there, so the tool ran on to its end (seen on
+CI: ``jaxgpt.compile`` wrote its report after a Ctrl-C). Tools that write only at their end, atomically
+(``compile``, ``eval``, ``generate``, ``account``: ``run_cli(..., watch=True)``), get a watcher thread that reads
+the signal from :func:`signal.set_wakeup_fd` (written by the C-level handler at once): if the main thread has not
+taken it within :data:`HANDLER_GRACE_S`, or has but is still in the tool :data:`EXIT_GRACE_S` later, the watcher
+prints the line and ends the process itself. (The data and checkpoint tools clean up their staging on a Ctrl-C and
+say so: they keep the main thread's handling alone; ``jaxgpt.train`` has its own watcher once its run begins,
+:mod:`jaxgpt.train.preempt`, which takes the wakeup fd over and gives it back.)"""
 
 from __future__ import annotations
 
@@ -30,6 +41,8 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a job ended by Ctrl-C
+HANDLER_GRACE_S = 1.0  # watch=True: the main thread's handler's time to take a Ctrl-C before the watcher acts
+EXIT_GRACE_S = 3.0  # ... and, once it has, the time the tool may take to reach its exit
 
 
 class Interrupted(KeyboardInterrupt):
@@ -66,6 +79,53 @@ class _SigintSeen:
             previous(info)
 
         return hook
+
+
+class _Watcher:
+    """``run_cli(..., watch=True)``: a daemon thread that reads each SIGINT from the wakeup fd and ends the process
+    with ``interrupted``'s line when the main thread cannot (stuck in compiled code) or did not (its
+    ``KeyboardInterrupt`` swallowed by a library) act on it in time, while the tool runs (``seen.raising``)."""
+
+    def __init__(self, seen: _SigintSeen, interrupted: Callable[[str], NoReturn], left: str) -> None:
+        self.seen, self.interrupted, self.left = seen, interrupted, left
+        self.received = 0  # SIGINTs the C-level handler wrote to the wakeup fd
+
+    def install(self) -> bool:
+        r, w = os.pipe()
+        os.set_blocking(w, False)  # (the C handler must never block on a full pipe)
+        try:
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter: the handler alone
+            os.close(r)
+            os.close(w)
+            return False
+        threading.Thread(target=self._watch, args=(r,), name="jaxgpt-interrupt-watcher", daemon=True).start()
+        return True
+
+    def _watch(self, r: int) -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except InterruptedError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            if signal.SIGINT in data:
+                self.received += 1
+                self._act_if_stuck(self.received)
+
+    def _act_if_stuck(self, nth: int) -> None:
+        deadline = time.monotonic() + HANDLER_GRACE_S
+        while time.monotonic() < deadline and self.seen.count < nth:
+            time.sleep(0.01)
+        if self.seen.count >= nth:  # taken: the tool's own way out (its line, or its Interrupted's) goes first
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.seen.raising:  # still in the tool (during the imports a Ctrl-C waits for them, by design)
+            self.interrupted(self.left)
 
 
 def guard_package_imports() -> None:
@@ -111,22 +171,29 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing was written") -> NoReturn:
+def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing was written",
+            watch: bool = False) -> NoReturn:
     """``sys.exit(main())``, with Ctrl-C as ``PROG: interrupted (Ctrl-C); LEFT`` and exit status 130.
 
     ``main``: the tool's ``main`` or, so that its imports are covered too, ``"module:function"`` to import here
     (a Ctrl-C during the imports is held until they are done, a second or so: an interrupted import of a compiled
     extension fails in odd ways or crashes). A tool that catches the Ctrl-C to say what it had done raises
-    :class:`Interrupted` with the line's end."""
+    :class:`Interrupted` with the line's end. ``watch``: a tool that writes only at its end, atomically, is also
+    ended by a watcher thread when its main thread is stuck in compiled code (:class:`_Watcher`)."""
     seen = _SigintSeen()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, seen)
-        sys.unraisablehook = seen.unraisable(sys.unraisablehook)
+    one_line = threading.Lock()  # the main thread or the watcher: one line, one exit
 
     def interrupted(end: str) -> NoReturn:
+        one_line.acquire()
         seen.raising = False
         print(f"{prog}: interrupted (Ctrl-C); {end}", file=sys.stderr)
         exit_now(EXIT_INTERRUPTED)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, seen)
+        sys.unraisablehook = seen.unraisable(sys.unraisablehook)
+        if watch:
+            _Watcher(seen, interrupted, left).install()
 
     try:
         seen.raising = False  # the imports: a Ctrl-C is counted, and honoured once they are done
@@ -149,6 +216,7 @@ def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing wa
             raise
         interrupted(left)  # an error the Ctrl-C caused (e.g. an ImportError around it): the Ctrl-C is the news
     if seen.count:  # swallowed on the way (a library's bare except), or it came as the tool finished
+        one_line.acquire()
         print(f"{prog}: interrupted (Ctrl-C), but the command had already run to its end (its exit status would "
               f"have been {code or 0})", file=sys.stderr)
         exit_now(EXIT_INTERRUPTED)

@@ -2,4 +2,4 @@
 
 from jaxgpt.interrupt import run_cli  # first: a Ctrl-C during the imports below is one line too
 
-run_cli("jaxgpt.account.cli:main", "jaxgpt.account", left="nothing was written")
+run_cli("jaxgpt.account.cli:main", "jaxgpt.account", left="nothing was written", watch=True)

@@ -18,4 +18,4 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported: the plugin stays loaded for compile-only use
     from jaxgpt.interrupt import run_cli  # a Ctrl-C (during the imports too) is one line and exit 130
 
-    run_cli("jaxgpt.compile.cli:main", "jaxgpt.compile", left="nothing was written")
+    run_cli("jaxgpt.compile.cli:main", "jaxgpt.compile", left="nothing was written", watch=True)
