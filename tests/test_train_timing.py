@@ -14,7 +14,7 @@ from jaxgpt.checkpoint.manager import Checkpoints
 from jaxgpt.train import main, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-WRITE_S = 1.5
+WRITE_S = 3.0  # a step that held a write took >= this; one that did not, ~0.2 s (1.7 s seen under load: 2 cores)
 
 
 def test_a_checkpoint_write_is_not_timed_as_a_step(tmp_path, monkeypatch):
@@ -33,7 +33,7 @@ def test_a_checkpoint_write_is_not_timed_as_a_step(tmp_path, monkeypatch):
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
     # the held checkpoints of steps 2 and 4 are written while steps 3 and 5 are synced: neither step 4 nor 6
     # (the next intervals) holds a write
-    assert all(r["step_time"] < WRITE_S / 2 for r in steps[1:]), [r["step_time"] for r in steps]
+    assert all(r["step_time"] < 0.85 * WRITE_S for r in steps[1:]), [r["step_time"] for r in steps]
     summary = json.loads((out / "summary.json").read_text())
     tokens = steps[0]["tokens"]
     assert summary["tokens_per_s"] > tokens / (WRITE_S / 2)
