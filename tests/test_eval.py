@@ -240,6 +240,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
 
 
+@pytest.mark.slow  # 16 s on 2 cores
 def test_training_scores_hellaswag_and_plots_it(tmp_path, capsys, monkeypatch, shakespeare):
     import matplotlib.figure
 
@@ -369,6 +370,7 @@ def lm_eval_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+@pytest.mark.slow  # 32 s on 2 cores; the harness itself: parity_tests/test_lm_eval_parity.py
 def test_the_harness_command_line_as_documented(model, tmp_path):
     """``python -m jaxgpt.eval.harness --model jaxgpt --model_args pretrained=DIR,batch_size=N`` (README's form:
     lm-eval's command line also passes its own batch_size, which used to make it a TypeError), on a local task."""

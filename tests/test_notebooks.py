@@ -268,7 +268,11 @@ def xla_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("notebooks_xla_cache")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+SLOW_NOTEBOOKS = {"01_resource_accounting", "03_training_run_read_back"}  # 35-40 s each on 2 cores: `pytest -m slow`
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_NOTEBOOKS
+                                               else []) for p in NOTEBOOKS])
 def test_notebook_executes_and_its_committed_outputs_are_current(path, tmp_path, xla_cache):
     committed = nbformat.read(path, as_version=4)
     problems = committed_problems(committed)

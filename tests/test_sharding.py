@@ -155,6 +155,7 @@ def _one_device_reference(data: np.ndarray, ckpt: Path) -> tuple[list[float], li
     return losses, norms
 
 
+@pytest.mark.slow  # 54 s on 2 cores; one mesh per step: tests/test_step.py, tests/test_compile.py
 def test_layouts_match_one_device_and_checkpoints_move_between_meshes(tmp_path):
     """4 devices: data=2,fsdp=2 (gradients reduce-scattered per micro-step, and with fsdp_reduce=step once per
     step) and fsdp=4; 8 devices: data=2,fsdp=4 (wte (502, 32): 502 % 4 != 0, so fsdp=4 shards it along its 32

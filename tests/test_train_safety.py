@@ -121,6 +121,7 @@ def test_rollback_restores_skips_exactly_and_is_bounded(healthy, tmp_path, capsy
     assert meta(manual, 5)["loader_state"]["step"] == 4 + 2 + 1  # batches drawn: 4 trained, 2 skipped, 1
 
 
+@pytest.mark.slow  # 24 s on 2 cores; the per-step checks: the explosion and rollback tests above
 def test_an_exploded_final_state_is_never_saved(healthy, tmp_path, capsys):
     """No training step evaluates the final state, so the run checks it on the batch the next step would take:
     a final update that explodes the params (step 5 from checkpoint 4 at lr 1e6) is caught there, nothing of
@@ -138,6 +139,7 @@ def test_an_exploded_final_state_is_never_saved(healthy, tmp_path, capsys):
     assert saved_steps(out) == [5, 6] and max_abs_params(out, 6) < 10
 
 
+@pytest.mark.slow  # 38 s on 2 cores
 def test_resume_step_sets_newer_aside_and_a_rerun_continues(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(out, "--max_steps=8", "--checkpoint_interval=2", "--keep_checkpoints=4") == 0
@@ -171,6 +173,7 @@ def test_resume_step_sets_newer_aside_and_a_rerun_continues(tmp_path, capsys):
     assert "skip_batches = 2: needs resume_step" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 20 s on 2 cores; the lock itself: tests/test_rundir.py
 def test_a_second_writer_is_refused_before_writing(tmp_path, capsys):
     """While another holder has the run directory's lock, a run is refused, naming the holder, before it writes
     anything; once the lock is free the run proceeds. (The lock itself, and that a killed holder never blocks:

@@ -127,6 +127,7 @@ def test_offline_history_equals_metrics_jsonl_and_a_resume_continues_it(tmp_path
     assert_history_is_metrics_jsonl([first_again, second], out, exact_steps=[0, 1, 2, 5, 6])
 
 
+@pytest.mark.slow  # 41 s on 2 cores; a resume continuing the history: the offline test
 def test_sigkill_then_resume_gives_w_and_b_every_step_of_metrics_jsonl_once(tmp_path, monkeypatch, capsys):
     """A run killed with SIGKILL: W&B's client had not written its last steps to the offline file (the W&B
     service dies with the process). The restart resumes the W&B run from the step its files really hold: the
