@@ -38,14 +38,16 @@ class DeviceSpec:
 
 DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (2021): A100 80GB SXM: FP32 19.5 TFLOPS, TF32 156 TFLOPS
-    # (312 with sparsity), BF16 312 TFLOPS (624 with sparsity), no FP8; 80GB HBM2e, 2,039 GB/s.
+    # (312 with sparsity), BF16 312 TFLOPS (624 with sparsity), no FP8 (Ampere has no fp8 tensor cores: XLA runs
+    # an e4m3 GEMM there on upcast operands, so mixed_peak prices precision: fp8's e4m3 FLOPs at the bf16 peak);
+    # 80GB HBM2e, 2,039 GB/s.
     "a100-sxm-80gb": DeviceSpec(
         "a100-sxm-80gb", "NVIDIA A100 SXM4 80GB",
         {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp8": None},
         80 * GiB, 2039e9, 1.79, "NVIDIA A100 datasheet"),
     # NVIDIA H100 Tensor Core GPU datasheet: H100 SXM: FP32 67 TFLOPS, TF32 989 / BF16 1,979 / FP8 3,958
     # TFLOPS *with sparsity*; dense = half, as in the H100 architecture whitepaper (494.7 / 989.4 / 1978.9);
-    # 80GB HBM3, 3.35 TB/s.
+    # fp8 = E4M3 (and E5M2) tensor-core GEMMs, twice the bf16 rate; 80GB HBM3, 3.35 TB/s.
     "h100-sxm": DeviceSpec(
         "h100-sxm", "NVIDIA H100 SXM5 80GB",
         {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp8": 1978.9e12},
@@ -182,6 +184,75 @@ def peak_flops(device: Any, dtype: str) -> float:
         have = [k for k, v in DEVICES[name].peak.items() if v is not None]
         raise DeviceError(f"device {name!r} has no {d} matmul peak; it has {have}")
     return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPeak:
+    """The peak of a step whose GEMMs run at two rates (``precision: fp8``): ``e4m3_flops`` with e4m3 operands at
+    the device's dense fp8 peak, ``other_flops`` (the rest: backward, attention's QK^T and PV, the GEMMs fp8_gemms
+    leaves out) at the ``other_dtype`` peak (bf16). The ideal time is the sum over both classes,
+    ``e4m3_flops / fp8_peak + other_flops / other_peak``, and :attr:`peak` the FLOPs over that time (the
+    FLOP-weighted harmonic mean of the two peaks). MFU against it (:meth:`mfu`) is the ideal time over the step's
+    time: not inflated, as dividing every FLOP by the bf16 peak would be, nor deflated, as dividing every FLOP by
+    the fp8 peak would be. ``fp8_native`` False: the device has no fp8 tensor cores (A100, the CPU), its e4m3 GEMMs
+    run on upcast operands, and ``fp8_peak`` is the ``other_dtype`` peak (so :attr:`peak` is that peak)."""
+
+    device: str
+    e4m3_flops: float
+    other_flops: float
+    fp8_peak: float  # the rate the e4m3 FLOPs are priced at (the other_dtype peak where fp8_native is False)
+    other_peak: float
+    other_dtype: str = "bf16"
+    fp8_native: bool = True
+
+    @property
+    def flops(self) -> float:
+        return self.e4m3_flops + self.other_flops
+
+    @property
+    def ideal_time_s(self) -> float:
+        """Both classes at their dense peaks, one after the other."""
+        return self.e4m3_flops / self.fp8_peak + self.other_flops / self.other_peak
+
+    @property
+    def peak(self) -> float:
+        """The blended peak: all the FLOPs over :attr:`ideal_time_s`."""
+        return self.flops / self.ideal_time_s if self.flops else self.other_peak
+
+    def mfu(self, step_time_s: float) -> float:
+        if step_time_s <= 0:
+            raise DeviceError(f"step_time_s = {step_time_s!r}: must be > 0")
+        return self.ideal_time_s / step_time_s
+
+    def note(self) -> str:
+        """One line: the two classes, their peaks, the ideal time and the blended peak (or the fallback)."""
+        fp8 = (f"fp8 dense peak {self.fp8_peak / 1e12:,.1f}" if self.fp8_native else
+               f"{self.other_dtype} peak {self.fp8_peak / 1e12:,.1f} ({self.device} has no fp8 tensor cores: e4m3 "
+               f"GEMMs run upcast, no fp8 gain)")
+        return (f"{self.e4m3_flops / 1e12:,.3f} TFLOP in e4m3 at the {fp8} + {self.other_flops / 1e12:,.3f} TFLOP in "
+                f"{self.other_dtype} at {self.other_peak / 1e12:,.1f} TFLOP/s = ideal "
+                f"{self.ideal_time_s * 1e3:,.2f} ms; blended peak {self.peak / 1e12:,.1f} TFLOP/s")
+
+
+def fp8_peak(device: Any, fallback: str = "bf16") -> tuple[float, bool]:
+    """(the rate e4m3 GEMMs run at on ``device``, whether it is a native fp8 peak): the table's dense fp8 peak, or,
+    on a device without fp8 tensor cores (A100, the CPU), the ``fallback`` dtype's peak and False."""
+    name = resolve_device(device)
+    native = DEVICES[name].peak.get("fp8") if name != "cpu" else None
+    if native is not None:
+        return float(native), True
+    return peak_flops(name, fallback), False
+
+
+def mixed_peak(device: Any, e4m3_flops: float, other_flops: float, other_dtype: str = "bf16") -> MixedPeak:
+    """The :class:`MixedPeak` of a step with ``e4m3_flops`` in e4m3 GEMMs and ``other_flops`` in ``other_dtype``
+    ones on ``device`` (e.g. from :meth:`jaxgpt.flops.FlopCount.training_per_step_by_dtype`)."""
+    if e4m3_flops < 0 or other_flops < 0:
+        raise DeviceError(f"FLOPs must be >= 0 (got e4m3 {e4m3_flops!r}, {other_dtype} {other_flops!r})")
+    name = resolve_device(device)
+    other = peak_flops(name, other_dtype)
+    f8, native = fp8_peak(name, other_dtype)
+    return MixedPeak(name, float(e4m3_flops), float(other_flops), f8, other, resolve_dtype(other_dtype), native)
 
 
 def mfu(flops_per_step: float, step_time_s: float, device: Any, dtype: str) -> float:

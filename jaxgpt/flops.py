@@ -57,6 +57,14 @@ Conventions others use (all per *token*, training = forward + backward), see :fu
 * MaxText (``calculate_tflops_training_per_device``): 3 x (weight matmuls without biases + the logits
   matmul ``2 * T * C * V``) + 3 x causal attention (``4 * T^2 * C / 2`` per layer per sequence). For
   GPT-2 that is this module's count with ``causal_halving=True``.
+
+fp8 (``precision: fp8``, :mod:`jaxgpt.fp8`): the same FLOPs, split by the operands' dtype
+(:meth:`FlopCount.training_by_dtype`). Only *forward* GEMMs take e4m3 operands, and only the kinds that
+``fp8_gemms`` (``TrainConfig.fp8_gemms`` / ``Policy.fp8``) selects: ``attn`` = qkv and attn_out_proj, ``mlp`` =
+mlp_up and mlp_down, ``lm_head``; attention's own QK^T and PV (attn_scores, attn_values) and every backward GEMM
+(straight-through, bf16) stay bf16. For gpt2 124M at T = 1024 that is, per token, of 854,438,400 training FLOPs:
+``all`` 247,064,064 in e4m3 (28.9%), ``mlp+lm_head`` 190,440,960, ``mlp`` 113,246,208 (13.3%), ``lm_head``
+77,194,752 (9.0%). :func:`jaxgpt.devices.mixed_peak` prices each class at its own dense peak.
 """
 
 from __future__ import annotations
@@ -144,6 +152,17 @@ class FlopCount:
     def training(self) -> int:
         """Forward + backward FLOPs per sequence."""
         return self.forward + self.backward
+
+    def training_by_dtype(self, fp8_gemms: str = "none") -> dict[str, int]:
+        """Training FLOPs per sequence by GEMM operand dtype under ``precision: fp8`` with ``fp8_gemms``:
+        ``e4m3``, the forward FLOPs of the kinds :func:`e4m3_kinds` selects; ``bf16``, the rest (their backward,
+        attention's QK^T and PV, the kinds not selected). ``"none"``: everything bf16."""
+        e4m3 = sum(self.forward_by_kind[k] for k in e4m3_kinds(fp8_gemms))
+        return {"e4m3": e4m3, "bf16": self.training - e4m3}
+
+    def training_per_step_by_dtype(self, fp8_gemms: str = "none") -> dict[str, int]:
+        """:meth:`training_by_dtype` of one optimizer step (all micro-steps)."""
+        return {k: v * self.batch_size * self.grad_accum for k, v in self.training_by_dtype(fp8_gemms).items()}
 
     @property
     def attention_forward(self) -> int:
@@ -247,6 +266,26 @@ def count_flops(
                      causal_halving=causal_halving,
                      layer_forward=layer_forward_flops(config, seq_len, causal_halving=causal_halving),
                      lm_head_forward=lm_head_forward_flops(config, seq_len))
+
+
+# ---- fp8: which GEMMs take e4m3 operands -----------------------------------------------------------------------------
+# jaxgpt.fp8's GEMM classes (Policy.fp8 / TrainConfig.fp8_gemms) and the kinds above each one covers, mirrored here so
+# that this module stays jax-free (tests/test_flops.py checks them against jaxgpt.fp8.GEMM_SETS and the model's Linear
+# layers). The attention projections are ``attn``; attention's QK^T and PV are in no class: they stay bf16.
+FP8_GEMM_SETS: dict[str, frozenset[str]] = {
+    "none": frozenset(), "lm_head": frozenset({"lm_head"}), "mlp": frozenset({"mlp"}),
+    "mlp+lm_head": frozenset({"mlp", "lm_head"}), "all": frozenset({"attn", "mlp", "lm_head"}),
+}
+FP8_GEMM_KINDS: dict[str, tuple[str, ...]] = {"attn": ("qkv", "attn_out_proj"), "mlp": ("mlp_up", "mlp_down"),
+                                              "lm_head": ("lm_head",)}
+
+
+def e4m3_kinds(fp8_gemms: str) -> tuple[str, ...]:
+    """The matmul kinds (:data:`KINDS`, in that order) whose forward GEMMs take e4m3 operands under ``fp8_gemms``."""
+    if fp8_gemms not in FP8_GEMM_SETS:
+        raise ConfigError(f"fp8_gemms = {fp8_gemms!r}: allowed values are {', '.join(map(repr, FP8_GEMM_SETS))}")
+    chosen = {k for g in FP8_GEMM_SETS[fp8_gemms] for k in FP8_GEMM_KINDS[g]}
+    return tuple(k for k in KINDS if k in chosen)
 
 
 # ---- parameter counts the conventions need (jaxgpt.account.memory has the full breakdown) ----------------------------

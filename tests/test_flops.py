@@ -1,6 +1,7 @@
 """Tests for jaxgpt.flops: the matmul count by kind against hand arithmetic, backward = 2 x forward, the
-per-token / per-sequence / per-step scaling, causal halving, the padded lm_head, and the published
-conventions (nanoGPT, llm.c, MaxText) evaluated from their own definitions. No model needed."""
+per-token / per-sequence / per-step scaling, causal halving, the padded lm_head, the published
+conventions (nanoGPT, llm.c, MaxText) evaluated from their own definitions, and precision: fp8's split of the FLOPs
+into e4m3 and bf16 GEMMs (by hand, and against the dots of jaxgpt's fp8 train step)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import json
 import pytest
 
 from jaxgpt.config import ConfigError, GPTConfig
-from jaxgpt.flops import (BACKWARD_FACTOR, KINDS, LAYER_KINDS, conventions, conventions_table, count_flops,
-                          n_params)
+from jaxgpt.flops import (BACKWARD_FACTOR, FP8_GEMM_KINDS, FP8_GEMM_SETS, KINDS, LAYER_KINDS, conventions,
+                          conventions_table, count_flops, e4m3_kinds, n_params)
 
 PUBLISHED = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
              "gpt2-xl": 1_557_611_200}
@@ -129,3 +130,97 @@ def test_table_and_json():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         count_flops(GPTConfig.preset("gpt2"), **kwargs)
+
+
+# ---- fp8: which FLOPs run in e4m3 ---------------------------------------------------------------------------------
+# gpt2 124M per token (T = 1024, C = 768, L = 12, V = 50257), forward, by hand: the attention projections
+# L (6 + 2) C^2 = 56,623,104; the MLP L (8 + 8) C^2 = 113,246,208; the lm_head 2 C V = 77,194,752; attention's
+# QK^T and PV 4 L T C = 37,748,736 (never e4m3). Training = 3 x forward = 854,438,400.
+GPT2_E4M3_PER_TOKEN = {"all": 56_623_104 + 113_246_208 + 77_194_752, "mlp+lm_head": 113_246_208 + 77_194_752,
+                       "mlp": 113_246_208, "lm_head": 77_194_752, "none": 0}
+
+
+@pytest.mark.parametrize("gemms", sorted(GPT2_E4M3_PER_TOKEN))
+def test_fp8_e4m3_flops_of_gpt2_by_hand(gemms):
+    fc = count_flops(GPTConfig.preset("gpt2"), 1024, batch_size=4, grad_accum=2)
+    split = fc.training_by_dtype(gemms)
+    assert split["e4m3"] == 1024 * GPT2_E4M3_PER_TOKEN[gemms]
+    assert split["e4m3"] + split["bf16"] == fc.training == 1024 * 854_438_400
+    assert fc.training_per_step_by_dtype(gemms) == {k: 8 * v for k, v in split.items()}
+    assert GPT2_E4M3_PER_TOKEN["all"] == 247_064_064 and round(247_064_064 / 854_438_400, 3) == 0.289
+
+
+def test_fp8_kinds_never_include_attention_matmuls_or_backward():
+    assert e4m3_kinds("all") == ("qkv", "attn_out_proj", "mlp_up", "mlp_down", "lm_head")
+    assert e4m3_kinds("mlp") == ("mlp_up", "mlp_down") and e4m3_kinds("lm_head") == ("lm_head",)
+    assert e4m3_kinds("none") == ()
+    fc = count_flops(GPTConfig.preset("small"), 256)
+    assert fc.training_by_dtype("all")["e4m3"] == fc.forward - fc.attention_forward  # forward only, no QK^T / PV
+    with pytest.raises(ConfigError, match="fp8_gemms = 'attn': allowed values are"):
+        e4m3_kinds("attn")
+
+
+def test_fp8_gemm_sets_mirror_jaxgpt_fp8_and_the_model():
+    """flops stays jax-free, so it mirrors jaxgpt.fp8's GEMM classes; they must agree, and each Linear layer's
+    ``gemm`` kind must be the class its FLOP kind is counted in."""
+    from flax import nnx
+
+    from jaxgpt import fp8
+    from jaxgpt.model import GPT
+    from jaxgpt.precision import Policy
+
+    assert FP8_GEMM_SETS == fp8.GEMM_SETS
+    model = nnx.eval_shape(lambda: GPT(GPTConfig.preset("tiny"), policy=Policy.fp8_policy(), rngs=nnx.Rngs(0)))
+    block = model.h[0]
+    layers = {"qkv": block.attn.c_attn, "attn_out_proj": block.attn.c_proj, "mlp_up": block.mlp.c_fc,
+              "mlp_down": block.mlp.c_proj}
+    assert {kind: lin.gemm for kind, lin in layers.items()} == \
+        {k: g for g, kinds in FP8_GEMM_KINDS.items() for k in kinds if k != "lm_head"}
+
+
+def _dot_flops_by_operand_dtype(jaxpr, acc, mult=1):
+    """2 m n k of every dot_general in a jaxpr (scan bodies times their length), keyed by the first operand's dtype."""
+    import jax.extend as jex
+    import numpy as np
+
+    for eqn in jaxpr.eqns:
+        subs = [v for v in eqn.params.values() if isinstance(v, (jex.core.ClosedJaxpr, jex.core.Jaxpr))]
+        for sub in subs:
+            _dot_flops_by_operand_dtype(getattr(sub, "jaxpr", sub), acc,
+                                        mult * (eqn.params["length"] if eqn.primitive.name == "scan" else 1))
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            k = int(np.prod([eqn.invars[0].aval.shape[i] for i in contract]))
+            acc[str(eqn.invars[0].aval.dtype)] += mult * 2 * int(np.prod(eqn.outvars[0].aval.shape)) * k
+    return acc
+
+
+@pytest.mark.parametrize("gemms", ["all", "mlp", "lm_head", "mlp+lm_head"])
+def test_fp8_split_equals_the_dots_of_the_train_step(gemms):
+    """The dot_generals of jaxgpt's fp8 value_and_grad (its jaxpr, dead code removed: the straight-through backward
+    differentiates a bf16 forward XLA drops), by operand dtype: the e4m3 ones are exactly the split's e4m3 FLOPs, the
+    others the rest (on XLA's full T x T attention path, which the analytic count describes)."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax._src.interpreters import partial_eval as pe
+
+    from jaxgpt.model import GPT
+    from jaxgpt.precision import Policy
+
+    cfg, B, T = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=96), 2, 64
+    policy = Policy.fp8_policy(gemms, attention="xla")
+    graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GPT(cfg, policy=policy, rngs=nnx.Rngs(0))),
+                                       nnx.Param, ...)
+    tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, x, y: jax.value_and_grad(
+        lambda p: nnx.merge(graphdef, p, rest).loss(x, y))(p))(params, tok, tok).jaxpr
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    got = _dot_flops_by_operand_dtype(jaxpr, collections.Counter())
+    want = count_flops(cfg, T, batch_size=B).training_per_step_by_dtype(gemms)
+    e4m3 = got.pop("float8_e4m3fn")
+    assert e4m3 == want["e4m3"]
+    # the rest: bf16 GEMMs (jax.nn's XLA attention runs its forward QK^T and PV on fp32 operands here)
+    assert set(got) <= {"bfloat16", "float32"} and sum(got.values()) == want["bf16"]

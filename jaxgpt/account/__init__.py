@@ -9,7 +9,14 @@ package re-exports their public names. The account imports neither :mod:`jaxgpt.
 ``python -m jaxgpt.account --model gpt2 --batch 16 --precision bf16 --device h100-sxm`` prints readable
 tables; ``--json`` prints one JSON object instead. The same numbers are available as functions:
 :func:`count_params`, :func:`estimate_memory`, :func:`account`, :func:`peak_flops`, :func:`mfu`,
-:func:`measure_cpu_peak`, :func:`dtype_table`.
+:func:`mixed_peak`, :func:`measure_cpu_peak`, :func:`dtype_table`.
+
+``--precision fp8 [--fp8-gemms lm_head|mlp|mlp+lm_head|all]`` (jaxgpt.fp8; default all): the forward GEMMs it
+selects run with e4m3 operands, priced at the device's dense fp8 peak (H100 SXM / H200 1,978.9, H100 PCIe 1,513
+TFLOP/s; the A100 has no fp8 tensor cores: its bf16 peak, said so); the rest of the model FLOPs (their backward,
+attention's QK^T and PV, the GEMMs not selected) at the bf16 peak. The ideal step is the sum of the two classes' times
+and MFU is measured against the blended peak, model FLOPs over that ideal time (:class:`MixedPeak`): dividing every
+FLOP by the bf16 peak would inflate an fp8 run's MFU, dividing every FLOP by the fp8 peak deflate it.
 
 Memory model (bytes, for one device; ``B`` sequences of ``T`` tokens per micro-step)
 ------------------------------------------------------------------------------------------
@@ -21,6 +28,10 @@ Memory model (bytes, for one device; ``B`` sequences of ``T`` tokens per micro-s
   (4 x 12 L C^2) plus AdamW's two moments for the rest (2 x 4 (N - 12 L C^2)). (Plus a scalar step count.)
 * compute-dtype weight copies (bf16 only): the bf16 matmul saves its bf16 operands for the backward,
   weights included: 2 x (12 L C^2 + Vp C) bytes.
+* fp8 (:class:`Fp8Memory`): everything bf16 has (its bf16 straight-through backward saves the same bf16 operands),
+  plus the lm_head's e4m3 copies of h and of the head (1 byte per element, live through the fused loss, at the
+  peak) and 2 fp32 scales per e4m3 GEMM of a forward; a layer GEMM's e4m3 copies live only during that forward GEMM
+  and are printed but not added. The compiled H100 b64 step's fp8 - bf16 temp difference is these terms within 0.1%.
 * activations saved for the backward, derived tensor by tensor below.
 
 Saved activations per layer per token (C = n_embd, N = n_head, T = sequence length). What the backward of
@@ -90,6 +101,7 @@ from jaxgpt.account.common import (
                                    ATTENTION_IMPLS,
                                    ATTENTION_QUERY_BLOCKS,
                                    CE_CHUNK_ELEMENTS,
+                                   FP8_SCALE_BYTES,
                                    MATMUL_DTYPES,
                                    OPTIMIZER_STATES,
                                    OPTIMIZERS,
@@ -103,21 +115,26 @@ from jaxgpt.account.devices import (
                                    CPUPeak,
                                    DeviceSpec,
                                    DTypeInfo,
+                                   MixedPeak,
                                    _device_from_kind,
                                    default_attention,
                                    default_matmul_dtype,
                                    dtype_table,
+                                   fp8_peak,
                                    measure_cpu_peak,
                                    mfu,
+                                   mixed_peak,
                                    peak_flops,
                                    resolve_device,
 )
 from jaxgpt.account.memory import (
                                    ActivationEstimate,
+                                   Fp8Memory,
                                    MemoryEstimate,
                                    ParamCount,
                                    count_params,
                                    estimate_activations,
+                                   estimate_fp8,
                                    estimate_memory,
                                    mesh_devices,
                                    optimizer_state_elements,
@@ -127,11 +144,12 @@ from jaxgpt.account.memory import (
 from jaxgpt.account.report import Account, account, devices_table, dtypes_table_text
 
 __all__ = [
-    "ATTENTION_IMPLS", "ATTENTION_QUERY_BLOCKS", "CE_CHUNK_ELEMENTS", "MATMUL_DTYPES", "OPTIMIZER_STATES", "OPTIMIZERS",
-    "PRECISIONS", "AccountError", "GiB", "ALIASES", "DEVICES", "CPUPeak", "DeviceSpec", "DTypeInfo",
-    "_device_from_kind", "default_attention", "default_matmul_dtype", "dtype_table", "measure_cpu_peak", "mfu",
-    "peak_flops", "resolve_device", "ActivationEstimate", "MemoryEstimate", "ParamCount", "count_params",
-    "estimate_activations", "estimate_memory", "mesh_devices", "optimizer_state_elements",
+    "ATTENTION_IMPLS", "ATTENTION_QUERY_BLOCKS", "CE_CHUNK_ELEMENTS", "FP8_SCALE_BYTES", "MATMUL_DTYPES",
+    "OPTIMIZER_STATES", "OPTIMIZERS", "PRECISIONS", "AccountError", "GiB", "ALIASES", "DEVICES", "CPUPeak",
+    "DeviceSpec", "DTypeInfo", "MixedPeak", "_device_from_kind", "default_attention", "default_matmul_dtype",
+    "dtype_table", "fp8_peak", "measure_cpu_peak", "mfu", "mixed_peak", "peak_flops", "resolve_device",
+    "ActivationEstimate", "Fp8Memory", "MemoryEstimate", "ParamCount", "count_params", "estimate_activations",
+    "estimate_fp8", "estimate_memory", "mesh_devices", "optimizer_state_elements",
     "saved_bytes_per_layer_token", "visible_keys_per_query", "Account", "account", "devices_table",
     "dtypes_table_text", "build_parser", "main",
 ]

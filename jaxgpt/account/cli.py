@@ -41,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--global-batch", type=int, default=None,
                        help="sequences per micro-step over all devices of --mesh (split evenly)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default block_size)")
-    p.add_argument("--precision", default="bf16", help="fp32 or bf16 compute (params stay fp32); default bf16")
+    p.add_argument("--precision", default="bf16", help="fp32, bf16 or fp8 compute (params stay fp32; fp8: bf16 with "
+                   "the --fp8-gemms forward GEMMs in e4m3, priced at the fp8 peak); default bf16")
+    p.add_argument("--fp8-gemms", default=None, help="with --precision fp8: which forward GEMMs run in e4m3: lm_head, "
+                   "mlp, mlp+lm_head or all (default all, as TrainConfig.fp8_gemms)")
     p.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--device", default="h100-sxm", help=f"one of {', '.join(DEVICES)} (default h100-sxm)")
@@ -99,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         acc = account(config, batch_size=batch, seq_len=args.seq_len, precision=args.precision,
                       optimizer=args.optimizer, grad_accum=args.grad_accum, device=args.device, mfu=args.mfu,
                       tokens=args.tokens, dollars_per_hour=args.dollars_per_hour, remat=args.remat,
-                      matmul_dtype=args.matmul_dtype, attention=args.attention, model_name=name, mesh=mesh)
+                      matmul_dtype=args.matmul_dtype, attention=args.attention, model_name=name, mesh=mesh,
+                      fp8_gemms=args.fp8_gemms)
     except ConfigError as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ from jaxgpt.devices import GiB, MATMUL_DTYPES, DeviceError  # noqa: F401  (re-ex
 
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1}
 OPTIMIZERS = (*OPTIMIZER_STATES, "muon")  # muon's state is per part: optimizer_state_elements
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")  # fp8: bf16 with the forward GEMMs of fp8_gemms in e4m3 (jaxgpt.fp8)
+FP8_SCALE_BYTES = 2 * 4  # per e4m3 GEMM: two fp32 scales (== jaxgpt.fp8.scales_bytes(1); jax-free here)
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
 CE_CHUNK_ELEMENTS = 1 << 26  # == jaxgpt.ops.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
 ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.ops.ATTENTION_QUERY_BLOCKS

@@ -14,7 +14,10 @@ from jaxgpt.devices import (  # noqa: F401  (re-exported: jaxgpt.account's publi
     cpu_memory_bytes,
     device_from_kind,
     measure_cpu_peak,
+    MixedPeak,
+    fp8_peak,
     mfu,
+    mixed_peak,
     peak_flops,
     resolve_device,
     resolve_dtype,
@@ -24,20 +27,21 @@ _device_from_kind = device_from_kind  # its name before jaxgpt.devices (benchmar
 
 
 def default_matmul_dtype(precision: str, device: str) -> str:
-    """bf16 policy -> bf16 peak. fp32 policy -> tf32 on A100/H100/H200 (JAX's default matmul precision runs
-    float32 dots on TF32 tensor cores there; ``Policy(matmul_precision="highest")`` would need fp32),
+    """bf16 policy -> bf16 peak. fp8 -> bf16 for everything that is not an e4m3 GEMM (the account prices those
+    at the fp8 peak: :func:`jaxgpt.devices.mixed_peak`). fp32 policy -> tf32 on A100/H100/H200 (JAX's default matmul
+    precision runs float32 dots on TF32 tensor cores there; ``Policy(matmul_precision="highest")`` would need fp32),
     fp32 on CPU."""
-    if precision == "bf16":
+    if precision in ("bf16", "fp8"):
         return "bf16"
     return "fp32" if resolve_device(device) == "cpu" else "tf32"
 
 
 def default_attention(precision: str, device: str) -> str:
-    """What ``Policy(attention="auto")`` picks: cuDNN fused attention on GPU with bf16, jaxgpt.ops' einsum
-    kernel on CPU, XLA's path otherwise."""
+    """What ``Policy(attention="auto")`` picks: cuDNN fused attention on GPU with bf16 compute (fp8's included),
+    jaxgpt.ops' einsum kernel on CPU, XLA's path otherwise."""
     if resolve_device(device) == "cpu":
         return "einsum"
-    return "cudnn" if precision == "bf16" else "xla"
+    return "cudnn" if precision in ("bf16", "fp8") else "xla"
 
 
 # ---- data types -------------------------------------------------------------------------------------------

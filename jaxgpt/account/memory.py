@@ -10,6 +10,7 @@ from jaxgpt.account.common import (
     ATTENTION_IMPLS,
     ATTENTION_QUERY_BLOCKS,
     CE_CHUNK_ELEMENTS,
+    FP8_SCALE_BYTES,
     OPTIMIZER_STATES,
     OPTIMIZERS,
     PRECISIONS,
@@ -122,17 +123,23 @@ class MemoryEstimate:
     device_bytes: int
     state_shards: int = 1
     gathered_weights: int = 0  # FSDP: the full fp32 weights, all-gathered for the forward/backward
+    fp8: "Fp8Memory | None" = None  # precision: fp8's e4m3 copies and scales (None under fp32 / bf16)
+
+    @property
+    def fp8_bytes(self) -> int:
+        """What precision: fp8 adds at the step's peak: the lm_head's e4m3 operands and the scales."""
+        return 0 if self.fp8 is None else self.fp8.at_peak
 
     @property
     def total(self) -> int:
         return (self.params + self.grads + self.grad_accumulator + self.optimizer_state + self.weight_copies
-                + self.gathered_weights + self.activations.total)
+                + self.gathered_weights + self.fp8_bytes + self.activations.total)
 
     @property
     def xla_temp(self) -> int:
         """What XLA reports as temp for a train step with donated params/opt state: everything that is
         neither an input nor an output."""
-        return (self.grads + self.grad_accumulator + self.weight_copies + self.gathered_weights
+        return (self.grads + self.grad_accumulator + self.weight_copies + self.gathered_weights + self.fp8_bytes
                 + self.activations.total)
 
     @property
@@ -148,6 +155,7 @@ class MemoryEstimate:
         a = self.activations
         return [("params", self.params), ("grads", self.grads), ("grad accumulator", self.grad_accumulator),
                 ("optimizer state", self.optimizer_state), ("compute-dtype weight copies", self.weight_copies),
+                *(self.fp8.rows() if self.fp8 is not None else []),
                 *([("FSDP all-gathered weights (transient)", self.gathered_weights)] if self.state_shards > 1 else []),
                 (f"activations, {self.activations_label()}", a.layers), ("activations, ln_f", a.ln_f),
                 ("loss buffers (logits)", a.loss_buffers), ("backward transient", a.backward_transient),
@@ -167,7 +175,65 @@ class MemoryEstimate:
                                      backward_transient=a.backward_transient, remat=a.remat, total=a.total),
                     total=self.total, xla_temp=self.xla_temp, device_bytes=self.device_bytes,
                     fits=self.fits, fits_jax_default=self.fits_jax_default, state_shards=self.state_shards,
-                    gathered_weights=self.gathered_weights)
+                    gathered_weights=self.gathered_weights, fp8=None if self.fp8 is None else self.fp8.to_dict())
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Memory:
+    """What ``precision: fp8`` (jaxgpt.fp8) adds to the bf16 policy's memory, per device. Its bf16 straight-through
+    backward keeps the same bf16 operand copies as the bf16 policy (the weight copies and the saved activations,
+    counted there unchanged); on top of them:
+
+    * ``lm_head_operands``: the lm_head's e4m3 copies of h (B T x C, padded to whole loss chunks) and of the head
+      (Vp x C), 1 byte per element. The fused loss quantizes both whole arrays once and keeps them through its
+      chunk loop, which runs at the step's peak (every layer's activations saved): counted in the total.
+    * ``scales``: two fp32 scales per e4m3 GEMM call of a forward (jaxgpt.fp8.scales_bytes), recomputed every call,
+      none kept between steps or checkpointed; counted in the total (an upper bound: at most the lm_head's two are
+      alive at the peak).
+    * ``layer_operands``: the largest layer GEMM's e4m3 copies of x and of its weight (mlp.c_proj's 4C-wide input
+      under ``mlp``/``all``, else c_attn's). They live only during that forward GEMM, freed long before the peak
+      (nothing of the e4m3 forward is saved for the bf16 backward): printed, not added to the total.
+
+    Checked against XLA:GPU: the compiled gpt2 124M b64 H100 step (benchmarks/results/predicted-h100-fp8-b64.json,
+    fp8_gemms all) holds 89,007,360 temp bytes more than its bf16 twin (predicted-h100-baseline-b64.json); the
+    lm_head's e4m3 h and head are 88,965,120 of them (65,536 x 768 + 50,304 x 768), the scales 584."""
+
+    fp8_gemms: str
+    gemm_calls: int  # e4m3 GEMM calls per forward (c_attn as three on GPUs: jaxgpt.model's q, k, v column blocks)
+    lm_head_operands: int
+    scales: int
+    layer_operands: int
+
+    @property
+    def at_peak(self) -> int:
+        return self.lm_head_operands + self.scales
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [(f"fp8 e4m3 lm_head operands (h, head; {self.fp8_gemms})", self.lm_head_operands),
+                (f"fp8 scales ({self.gemm_calls} e4m3 GEMMs x 2 fp32)", self.scales)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(fp8_gemms=self.fp8_gemms, gemm_calls=self.gemm_calls, lm_head_operands=self.lm_head_operands,
+                    scales=self.scales, layer_operands=self.layer_operands, at_peak=self.at_peak)
+
+
+def estimate_fp8(config: GPTConfig, *, tokens: int, fp8_gemms: str, split_qkv: bool = True) -> Fp8Memory:
+    """precision: fp8's e4m3 copies and scales for a micro-step of ``tokens`` tokens (see :class:`Fp8Memory`).
+    ``split_qkv``: c_attn as three GEMMs, as jaxgpt.model runs it on GPUs (one on the CPU)."""
+    from jaxgpt.flops import FP8_GEMM_SETS, e4m3_kinds
+
+    e4m3_kinds(fp8_gemms)  # the one-line error for a bad name
+    gemms = FP8_GEMM_SETS[fp8_gemms]
+    C, L, Vp, M = config.n_embd, config.n_layer, config.vocab_rows, tokens
+    calls = L * ((4 if split_qkv else 2) * ("attn" in gemms) + 2 * ("mlp" in gemms)) + ("lm_head" in gemms)
+    head = 0
+    if "lm_head" in gemms:
+        rows = min(M, max(1, CE_CHUNK_ELEMENTS // Vp))
+        chunks = -(-M // rows)
+        head = chunks * -(-M // chunks) * C + Vp * C  # h padded to whole balanced chunks (jaxgpt.ops), the head
+    layer = max([M * 4 * C + 4 * C * C] * ("mlp" in gemms) + [M * C + 3 * C * C] * ("attn" in gemms), default=0)
+    return Fp8Memory(fp8_gemms=fp8_gemms, gemm_calls=calls, lm_head_operands=head,
+                     scales=FP8_SCALE_BYTES * calls, layer_operands=layer)
 
 
 def saved_bytes_per_layer_token(config: GPTConfig, seq_len: int, *, precision: str = "fp32",
@@ -236,11 +302,15 @@ def mesh_devices(mesh: Mapping[str, int] | None) -> int:
 def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None = None, precision: str = "fp32",
                     optimizer: str = "adamw", grad_accum: int = 1, remat: bool = False,
                     attention: str = "xla", device: str | None = None, fast_kernels: bool = True,
-                    mesh: Mapping[str, int] | None = None) -> MemoryEstimate:
-    """Bytes per device of one training step (see the module docstring for every term)."""
+                    mesh: Mapping[str, int] | None = None, fp8_gemms: str | None = None) -> MemoryEstimate:
+    """Bytes per device of one training step (see the module docstring for every term). ``precision="fp8"``:
+    the bf16 terms plus :class:`Fp8Memory` for ``fp8_gemms`` (default "all", jaxgpt.fp8.DEFAULT_GEMMS)."""
     seq_len = config.block_size if seq_len is None else seq_len
     validate_run(config, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-              grad_accum=grad_accum, attention=attention)
+              grad_accum=grad_accum, attention=attention, fp8_gemms=fp8_gemms)
+    if precision == "fp8" and not fast_kernels:
+        raise AccountError("precision = 'fp8' needs fast_kernels (jaxgpt.precision.Policy: its lm_head runs in the "
+                           "fused loss): drop fast_kernels=False")
     shards = _state_shards(mesh)
     n = count_params(config).total
     per_device = lambda nbytes: -(-nbytes // shards)  # noqa: E731  (ceil division)
@@ -252,16 +322,20 @@ def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None =
     if device is not None:
         name = resolve_device(device)
         device_bytes = cpu_memory_bytes() if name == "cpu" else DEVICES[name].memory_bytes
+    fp8 = None
+    if precision == "fp8":
+        fp8 = estimate_fp8(config, tokens=batch_size * seq_len, fp8_gemms=fp8_gemms or "all",
+                           split_qkv=device is None or resolve_device(device) != "cpu")
     return MemoryEstimate(
         params=per_device(4 * n), grads=per_device(4 * n),
         grad_accumulator=per_device(4 * n) if grad_accum > 1 else 0,
         optimizer_state=per_device(4 * optimizer_state_elements(config, optimizer, n)),
         weight_copies=weight_copies, activations=acts, device_bytes=device_bytes, state_shards=shards,
-        gathered_weights=4 * n if shards > 1 else 0)
+        gathered_weights=4 * n if shards > 1 else 0, fp8=fp8)
 
 
 def validate_run(config: GPTConfig, *, batch_size: Any, seq_len: Any, precision: str, optimizer: str,
-              grad_accum: Any, attention: str = "xla") -> None:
+              grad_accum: Any, attention: str = "xla", fp8_gemms: str | None = None) -> None:
     for name, v in (("batch_size", batch_size), ("seq_len", seq_len), ("grad_accum", grad_accum)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise AccountError(f"{name} = {v!r}: must be a positive integer")
@@ -273,3 +347,10 @@ def validate_run(config: GPTConfig, *, batch_size: Any, seq_len: Any, precision:
         raise AccountError(f"unknown optimizer {optimizer!r}; valid optimizers are {sorted(OPTIMIZERS)}")
     if attention not in ATTENTION_IMPLS:
         raise AccountError(f"attention = {attention!r}: allowed values are {list(ATTENTION_IMPLS)}")
+    if fp8_gemms is not None:
+        if precision != "fp8":
+            raise AccountError(f"fp8_gemms = {fp8_gemms!r} selects the e4m3 GEMMs of precision fp8, but precision is "
+                               f"{precision!r}: use precision fp8 or drop fp8_gemms")
+        from jaxgpt.flops import e4m3_kinds
+
+        e4m3_kinds(fp8_gemms)
