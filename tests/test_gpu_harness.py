@@ -105,6 +105,24 @@ def test_batches_grow_until_one_does_not_fit_and_targets_are_judged(results, mon
     assert "989.4 TFLOP/s" in md
 
 
+def test_fp8_variant_mfu_is_against_the_blended_peak():
+    """jax_fp8's MFU: its e4m3 GEMMs' FLOPs (jaxgpt.flops, fp8_gemms all: 28.9% of gpt2's) over the fp8 peak plus the
+    rest over the bf16 peak, divided by the step time; jax_bf16's plain over the bf16 peak."""
+    res = {"step_times_s": [0.2] * 5, "tokens_per_step": 64 * 1024, "device_kind": "NVIDIA H100 80GB HBM3",
+           "cold_first_step_s": 30.0, "loss_first": 11.0, "loss_last": 10.0}
+    full, causal = gpu_bench.flops("gpt2", 64, 1024)
+    e4m3 = gpu_bench.e4m3_flops("jax_fp8", "gpt2", 64, 1024)
+    assert e4m3 == 64 * 1024 * (56_623_104 + 113_246_208 + 2 * 768 * 50304)  # attn projections, MLP, padded lm_head
+    assert gpu_bench.e4m3_flops("jax_bf16", "gpt2", 64, 1024) == 0
+    fp8 = gpu_bench.row_of(res, "gpt2", "gpt2", 1024, 64, "jax_fp8")
+    bf16 = gpu_bench.row_of(res, "gpt2", "gpt2", 1024, 64, "jax_bf16")
+    assert bf16["mfu"] == pytest.approx(full / 0.2 / 989.4e12)
+    assert fp8["mfu"] == pytest.approx((e4m3 / 1978.9e12 + (full - e4m3) / 989.4e12) / 0.2)
+    assert full / 0.2 / 1978.9e12 < fp8["mfu"] < bf16["mfu"]  # neither deflated nor inflated
+    assert fp8["mfu_causal_halved"] == pytest.approx((e4m3 / 1978.9e12 + (causal - e4m3) / 989.4e12) / 0.2)
+    assert fp8["peak_flops"] == pytest.approx(full / (fp8["mfu"] * 0.2)) and "fp8 variant" in fp8["peak_source"]
+
+
 def test_out_of_memory_errors_are_recognised():
     class OutOfMemoryError(RuntimeError):
         pass

@@ -20,7 +20,9 @@ gpt2 124M at T=1024 runs at every micro-batch of ``--batches`` (16, 32, 64, 128)
 (out of memory: "does not fit", and no larger batch is tried for it); eager at ``--eager-batches``; gpt2-medium
 at ``--medium-batch``. MFU is the training FLOP count of :mod:`jaxgpt.flops` (matmuls, attention counted over the
 full T x T, the nanoGPT/PaLM convention; the causal-halved figure is in the JSON) over the step time and the
-device's dense bf16 peak from :data:`jaxgpt.account.DEVICES`, keyed on the device's name. Results:
+device's dense bf16 peak from :data:`jaxgpt.account.DEVICES`, keyed on the device's name (``jax_fp8``: against
+the blended peak of its e4m3 GEMMs at the fp8 peak and the rest at the bf16 one, :func:`jaxgpt.devices.mixed_peak`).
+Results:
 ``train_step-gpu-<device>.{json,md}`` under ``benchmarks/results`` (``JAXGPT_BENCH_RESULTS`` redirects them),
 rewritten after every variant so a run cut short keeps what it measured.
 """
@@ -109,6 +111,19 @@ def flops(preset: str, batch: int, seq: int, micro_steps: int = 1) -> tuple[int,
             count_flops(cfg, seq, batch_size=batch, grad_accum=micro_steps, causal_halving=True).training_per_step)
 
 
+def e4m3_flops(variant: str, preset: str, batch: int, seq: int, micro_steps: int = 1) -> int:
+    """Training FLOPs per step a variant runs in e4m3 GEMMs: the forward GEMMs jaxgpt.fp8 selects under a ``precision:
+    fp8`` variant (benchmarks.gpu.worker.GPU_VARIANTS; fp8_gemms all, its default), 0 for every other variant."""
+    from benchmarks.gpu.worker import GPU_VARIANTS
+    from jaxgpt.config import GPTConfig
+    from jaxgpt.flops import count_flops
+
+    if GPU_VARIANTS.get(variant, ("", ""))[1] != "fp8":
+        return 0
+    cfg = GPTConfig.preset(preset, padded_vocab_size=50304)
+    return count_flops(cfg, seq, batch_size=batch, grad_accum=micro_steps).training_per_step_by_dtype("all")["e4m3"]
+
+
 def plan(batches: list[int], eager_batches: list[int], medium_batch: int | None,
          variants: list[str] = VARIANTS) -> list[tuple[str, str, int]]:
     """(shape, variant, micro-batch) in run order: jaxgpt and torch.compile side by side at each batch."""
@@ -130,9 +145,20 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
     full, causal = flops(preset, batch, seq, res.get("micro_steps", 1))
     peak, peak_src = peak_of(res.get("device_kind"))
     tok = res["tokens_per_step"]
+    mfu = mfu_causal = None
+    if peak:
+        mfu, mfu_causal = full / st["median"] / peak, causal / st["median"] / peak
+        e4m3 = e4m3_flops(variant, preset, batch, seq, res.get("micro_steps", 1))
+        if e4m3:  # precision fp8: each class of GEMMs against its own dense peak (jaxgpt.devices.mixed_peak)
+            from jaxgpt import devices
+
+            key = devices.device_from_kind(res["device_kind"])
+            mixed = devices.mixed_peak(key, e4m3, full - e4m3)
+            mfu, peak = mixed.mfu(st["median"]), mixed.peak
+            mfu_causal = devices.mixed_peak(key, e4m3, causal - e4m3).mfu(st["median"])
+            peak_src += f"; fp8 variant: blended with the fp8 peak, {e4m3 / full:.1%} of the FLOPs in e4m3"
     return {**base, "micro_steps": res.get("micro_steps", 1), "tokens_per_s": tok / st["median"], "step_ms": {k: v * 1e3 if k != "n" else v for k, v in st.items()},
-            "mfu": full / st["median"] / peak if peak else None,
-            "mfu_causal_halved": causal / st["median"] / peak if peak else None,
+            "mfu": mfu, "mfu_causal_halved": mfu_causal,
             "flops_per_step": full, "flops_per_step_causal_halved": causal, "peak_flops": peak, "peak_source": peak_src,
             "peak_device_gib": res["peak_device_mib"] / 1024 if res.get("peak_device_mib") else None,
             "cold_first_step_s": res["cold_first_step_s"], "loss_first": res["loss_first"], "loss_last": res["loss_last"],

@@ -79,7 +79,7 @@ def account_memory(cs, target) -> dict[str, Any] | None:
     from jaxgpt import account
 
     cfg, policy = cs.cfg, cs.policy
-    precision = "bf16" if policy.compute_dtype == "bfloat16" else "fp32"
+    precision = "fp8" if policy.fp8 != "none" else "bf16" if policy.compute_dtype == "bfloat16" else "fp32"
     attention = account.default_attention(precision, target.name) if policy.attention == "auto" else policy.attention
     if cfg.optim.name not in account.OPTIMIZERS or attention not in account.ATTENTION_IMPLS:
         return None
@@ -87,7 +87,8 @@ def account_memory(cs, target) -> dict[str, Any] | None:
     est = account.estimate_memory(model_cfg, batch_size=cs.micro_batch, seq_len=cfg.seq_len, precision=precision,
                                   optimizer=cfg.optim.name, grad_accum=cs.micro_steps, attention=attention,
                                   device=target.name, fast_kernels=policy.fast_kernels,
-                                  mesh={k: int(v) for k, v in dict(cs.mesh.shape).items()})
+                                  mesh={k: int(v) for k, v in dict(cs.mesh.shape).items()},
+                                  fp8_gemms=policy.fp8 if precision == "fp8" else None)
     return dict(argument=est.params + est.optimizer_state, temp=est.xla_temp, total=est.total)
 
 
@@ -101,19 +102,26 @@ def memory_lines(mem: dict[str, int], est: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: str) -> Report:
+def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: str,
+               e4m3_flops: float = 0.0) -> Report:
     """The calibrated estimate (jaxgpt.compile.calibrated, where the target has a calibration) beside the roofline
-    bound (jaxgpt.compile.predict), by category, with the MFU of each; ``data`` is the JSON's ``prediction``."""
+    bound (jaxgpt.compile.predict), by category, with the MFU of each; ``data`` is the JSON's ``prediction``.
+    ``e4m3_flops`` (precision: fp8): that many of the model FLOPs run in e4m3 GEMMs, so MFU is against the blended
+    peak of :func:`jaxgpt.devices.mixed_peak` (the fp8 and bf16 dense peaks), not the bf16 peak alone."""
     from jaxgpt.compile import calibrated, predict
+    from jaxgpt.devices import mixed_peak
 
     pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=model_flops, tokens=tokens)
     cal = calibrated.for_target(target.name)
-    peak = target.peak_bf16
+    peak, peak_name = target.peak_bf16, "bf16"
+    if e4m3_flops:
+        peak = mixed_peak(target.name, e4m3_flops, model_flops - e4m3_flops).peak
+        peak_name = f"blended (fp8 for {e4m3_flops / model_flops:.1%} of the FLOPs, bf16 for the rest)"
     bound = dict(pred.to_dict(), bound_s=pred.time_s, bound_mfu=pred.mfu(peak))
     if cal is None:
         lines = ["predicted from the compiled kernels (a roofline lower bound on time, not a measurement; no "
                  f"calibration for {target.name}: measured on an H100 only):",
-                 pred.table(peak=peak, peak_name=f"{target.name} dense bf16 {peak / 1e12:,.0f} TFLOP/s")]
+                 pred.table(peak=peak, peak_name=f"{target.name} dense {peak_name} {peak / 1e12:,.0f} TFLOP/s")]
         return Report(dict(bound, time_s=None, mfu=None, calibrated=None), lines)
     est = calibrated.estimate(kernels, cal)
     by_cat = est.by(lambda k: k.kernel.category)
@@ -131,7 +139,7 @@ def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: 
     mfu = model_flops / est.time_s / peak
     lines.append(f"predicted step {est.time_s * 1e3:,.1f} ms (MFU {mfu:.1%}); roofline bound >= "
                  f"{pred.time_s * 1e3:,.1f} ms (MFU <= {pred.mfu(peak):.1%}); {model_flops / 1e12:,.1f} TFLOP per "
-                 f"step ({flops_name}) over {target.name}'s dense bf16 {peak / 1e12:,.0f} TFLOP/s")
+                 f"step ({flops_name}) over {target.name}'s dense {peak_name} {peak / 1e12:,.0f} TFLOP/s")
     if est.uncalibrated_s:
         lines.append(f"uncalibrated: {est.uncalibrated_s * 1e3:,.2f} ms of kernels of classes the trace never saw, at "
                      f"the least efficient measured rate of their kind: {', '.join(est.to_dict()['uncalibrated'])}")
@@ -152,7 +160,9 @@ def describe(cs, target, mem_fraction: float) -> Report:
     fc = count_flops(model_cfg, cfg.seq_len, batch_size=cs.micro_batch, grad_accum=cs.micro_steps)
     tokens = cs.micro_batch * cs.micro_steps * cfg.seq_len
     pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=fc.training_per_step, tokens=tokens)
-    expected = prediction(kernels, target, model_flops=fc.training_per_step, tokens=tokens, flops_name="jaxgpt.flops")
+    e4m3 = fc.training_per_step_by_dtype(cs.policy.fp8)["e4m3"]  # precision: fp8's forward GEMMs (0 otherwise)
+    expected = prediction(kernels, target, model_flops=fc.training_per_step, tokens=tokens, flops_name="jaxgpt.flops",
+                          e4m3_flops=e4m3)
     st = inspect.structure(text, kernels, seq_len=cfg.seq_len)
     est = account_memory(cs, target)
     lines = [
@@ -178,7 +188,7 @@ def describe(cs, target, mem_fraction: float) -> Report:
                 tokens_per_step=cs.tokens_per_step, seq_len=cfg.seq_len, compute=cs.policy.compute_dtype,
                 lower_s=cs.lower_s, compile_s=cs.compile_s, memory=mem, account_memory=est, fits=ok, pool_bytes=pool,
                 structure=dataclasses.asdict(st), prediction=expected.data, predicted_mfu=expected.data["mfu"],
-                bound_mfu=pred.mfu(target.peak_bf16), predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
+                bound_mfu=expected.data["bound_mfu"], predicted_bytes_per_micro_step=pred.bytes / cs.micro_steps)
     return Report(data, lines)
 
 

@@ -25,9 +25,20 @@ def flops_per_step(config: GPTConfig, *, seq_len: int, batch_size: int, micro_st
     return float(count_flops(config, seq_len, batch_size=batch_size, grad_accum=micro_steps).training_per_step)
 
 
-def device_peak_flops(dtype: str) -> tuple[float | None, str]:
+def e4m3_fraction(config: GPTConfig, *, seq_len: int, fp8_gemms: str) -> float:
+    """The share of the model FLOPs (jaxgpt.flops) that run in e4m3 GEMMs under ``precision: fp8`` with
+    ``fp8_gemms`` (``Policy.fp8``; "none": 0)."""
+    from jaxgpt.flops import count_flops
+
+    split = count_flops(config, seq_len).training_by_dtype(fp8_gemms)
+    return split["e4m3"] / (split["e4m3"] + split["bf16"])
+
+
+def device_peak_flops(dtype: str, *, e4m3_fraction: float = 0.0) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device for MFU (jaxgpt.devices: a table for accelerators, a GEMM probe
-    measured once per process on CPU), and where the number came from; None for a device it doesn't know."""
+    measured once per process on CPU), and where the number came from; None for a device it doesn't know.
+    ``e4m3_fraction`` > 0 (``precision: fp8``): that share of the FLOPs at the fp8 peak, the rest at ``dtype``'s, the
+    blended peak of :func:`jaxgpt.devices.mixed_peak` (the ``dtype`` peak on a device without fp8 tensor cores)."""
     import jax
 
     from jaxgpt import devices
@@ -37,9 +48,14 @@ def device_peak_flops(dtype: str) -> tuple[float | None, str]:
         dtype = "tf32"  # JAX runs fp32 matmuls on TF32 tensor cores unless precision is pinned
     try:
         peak = float(devices.peak_flops(dev, dtype))
+        mixed = devices.mixed_peak(dev, e4m3_fraction, 1.0 - e4m3_fraction, dtype) if e4m3_fraction else None
     except devices.DeviceError as e:  # an unknown device: no MFU, but train anyway
         return None, f"unknown: {e}"
-    return peak, "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
+    src = "measured GEMM probe" if dev.platform == "cpu" else f"{dev.device_kind} {dtype} table"
+    if mixed is None:
+        return peak, src
+    fp8 = "fp8 table" if mixed.fp8_native else f"no fp8 tensor cores: e4m3 at the {dtype} peak"
+    return mixed.peak, f"blended: {e4m3_fraction:.1%} of the FLOPs in e4m3 ({fp8}), the rest {src}"
 
 
 SUPERSEDED_METRICS = "metrics.superseded.jsonl"  # records a resume dropped from metrics.jsonl, appended

@@ -31,7 +31,8 @@ from jaxgpt.config import ConfigError, to_dict
 from jaxgpt.train.config import TrainConfig
 from jaxgpt.train.evals import InLoopEvals
 from jaxgpt.train.guard import DivergenceGuard, Verdict
-from jaxgpt.train.metrics import count_params, device_peak_flops, flops_per_step, plot_losses, read_metrics
+from jaxgpt.train.metrics import (count_params, device_peak_flops, e4m3_fraction, flops_per_step, plot_losses,
+                                  read_metrics)
 from jaxgpt.train.resume import Resuming
 from jaxgpt.train.preempt import Preempted, Preemption
 from jaxgpt.train.safety import Diverged, NonFiniteLoss, Safeguards
@@ -302,7 +303,8 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         n_params = count_params(self.state.params)
         self.step_flops = flops_per_step(m, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                          micro_steps=self.micro_steps) * self.pcount
-        self.peak, peak_src = device_peak_flops(self.policy.compute_dtype)
+        self.peak, peak_src = device_peak_flops(  # fp8: blended over its e4m3 and bf16 GEMMs' peaks
+            self.policy.compute_dtype, e4m3_fraction=e4m3_fraction(m, seq_len=cfg.seq_len, fp8_gemms=self.policy.fp8))
         self.n_dev = jax.device_count()
         self.say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({m.n_layer}L {m.n_head}H {m.n_embd}C, vocab rows "
                  f"{m.vocab_rows}), init {cfg.init_from}, {self.policy.compute_dtype} compute, {self.n_dev} x "
