@@ -469,7 +469,8 @@ def write(path: Path | None = None) -> Path:
         out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
     for name, title in (("eval_speed", "Evaluation: HellaSwag scoring"), ("checkpoint_io", "Checkpoint digests"),
                         ("muon", "Optimizers: Muon against AdamW"),
-                        ("shakespeare-char-cpu", "nanoGPT's first run: character-level Shakespeare")):
+                        ("shakespeare-char-cpu", "nanoGPT's first run: character-level Shakespeare"),
+                        ("fp8-loss-curve", "precision: fp8 against bf16: the char recipe's loss curve (CPU)")):
         md = common.RESULTS / f"{name}.md"
         if md.exists():  # their own tables, machine and command included (benchmarks/eval_speed.py, checkpoint_io.py)
             out += [f"## {title}", "", md.read_text().rstrip(), ""]

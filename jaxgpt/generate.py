@@ -59,6 +59,8 @@ import numpy as np
 from flax import nnx
 
 from jaxgpt.config import PRESETS, GPTConfig
+from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
+from jaxgpt.fp8 import GEMM_SETS
 from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.precision import PRECISIONS, Policy
 
@@ -586,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int_at_least(1), default=1)
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="matmul operand dtype; bf16-autocast: torch.autocast's bf16 (default: fp32)")
+    p.add_argument("--fp8-gemms", choices=[g for g in GEMM_SETS if g != "none"], default=None,
+                   help="with --precision fp8: which forward GEMMs take e4m3 operands, as the run's fp8_gemms "
+                        f"(default: {DEFAULT_FP8_GEMMS})")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow; the reference path)")
     return p
@@ -596,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.seed >= 2**32:
             raise GenerateError(f"--seed {args.seed}: must be < 2**32")
-        policy = Policy.named(args.precision)
+        policy = Policy.named(args.precision, fp8_gemms=args.fp8_gemms)
         model = load_model(args.init_from, policy=policy, step=args.step)
         tok = load_tokenizer(args.init_from, step=args.step)
         t0 = time.perf_counter()

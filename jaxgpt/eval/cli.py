@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxgpt.eval.common import EvalError, load_model
+from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
+from jaxgpt.fp8 import GEMM_SETS
 from jaxgpt.generate import int_at_least
 from jaxgpt.precision import PRECISIONS
 
@@ -36,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
                         "is reachable); val-loss: a prepared shard directory (required)")
     p.add_argument("--split", default="val", choices=["train", "val"], help="val-loss: the split (default val)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32")
+    p.add_argument("--fp8-gemms", choices=[g for g in GEMM_SETS if g != "none"], default=None,
+                   help="with --precision fp8: which forward GEMMs take e4m3 operands, as the run's fp8_gemms "
+                        f"(default: {DEFAULT_FP8_GEMMS})")
     p.add_argument("--batch-size", type=int_at_least(1), default=8,
                    help="items (hellaswag) or sequences (val-loss) per batch")
     p.add_argument("--seq-len", type=int_at_least(1), default=None,
@@ -88,7 +93,7 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
     prepared = prepare(args) if prepared is None else prepared
-    model = load_model(args.init_from, precision=args.precision, step=args.step)
+    model = load_model(args.init_from, precision=args.precision, fp8_gemms=args.fp8_gemms, step=args.step)
     if args.task == "hellaswag":
         from jaxgpt.eval import hellaswag
 
@@ -110,6 +115,8 @@ def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
                                     tokenizer=load_tokenizer(args.init_from, step=args.step).record())
         summary.update(task="val-loss", data=str(prepared["data"]))
     summary.update(init_from=args.init_from, precision=args.precision)
+    if args.fp8_gemms is not None:
+        summary.update(fp8_gemms=args.fp8_gemms)
     return summary
 
 
