@@ -6,9 +6,9 @@ What one fp8 GEMM ``x @ w`` does here (and, rounding for rounding, in ``torch_re
    call* (current scaling): ``scale = 2**e`` with ``amax / 448 = m 2**e``, ``m`` in [0.5, 1) (``frexp``), so
    ``amax / scale`` lies in [224, 448), 448 being e4m3's largest finite value;
 2. ``q = e4m3(clip(x / scale, -448, 448))``, round to nearest even (flax.linen.fp8_ops.quantize);
-3. ``y = (q_x * scale_x) @ (q_w * scale_w)`` with fp32 accumulation (flax.linen.fp8_ops.dequantize then a dot
-   with ``preferred_element_type=float32``): the convert(f8) -> multiply(scale) -> dot pattern that XLA:GPU's GEMM
-   rewriter turns into one cuBLASLt fp8 GEMM (``__cublas$lt$matmul$f8``) with the scales as its a/b scale operands.
+3. ``y = (q_x @ q_w) * (scale_x * scale_w)``: the e4m3 operands go into the dot itself, with fp32 accumulation
+   (``Precision.HIGHEST``: see below) and an fp32 result, and the product of the two scales multiplies that
+   result; mathematically ``(q_x * scale_x) @ (q_w * scale_w)``.
 
 Power-of-two scales make the scaling exact: ``x / scale`` only moves the exponent, so the one rounding is e4m3's
 (3 mantissa bits: a relative error of at most 2**-4, 2**-3 ... for e4m3's subnormals below 2**-6 of the scale), and
@@ -20,6 +20,23 @@ The backward is bf16, straight-through: :func:`matmul`'s custom VJP differentiat
 operands (``jaxgpt.ops.matmul``'s backward), as if the forward had not been quantized. The lm_head's fused loss
 (``jaxgpt.ops.lm_head_cross_entropy(..., fp8=True)``) does the same: e4m3 logits GEMM, bf16 backward GEMMs.
 
+On GPUs this is one cuBLASLt fp8 GEMM per layer (``__cublas$lt$matmul$f8``): XLA:GPU's GEMM rewriter takes a dot
+of e4m3 operands and folds the multiply by the scales into the call's scale operand. Two things make it so:
+
+* :func:`compiler_options` (the train and eval steps are jitted with them, :mod:`jaxgpt.step`): XLA's Triton GEMM
+  emitter off for programs with fp8 GEMMs. XLA:GPU's GEMM fusion pass runs before the cuBLAS GEMM rewriter and
+  claims every e4m3 dot (alone, transposed, dequantized or not) as a Triton GEMM fusion; only the autotuner on a
+  GPU may hand one back to cuBLAS, so the program compiled here (compile-only, no autotuning) and the one a GPU
+  runs could differ. With the option the fp8 program is cuBLAS everywhere, on the GPU as compiled here.
+* ``Precision.HIGHEST`` on the e4m3 dot: XLA turns on cuBLASLt's fp8 fast accumulation
+  (``CUBLASLT_MATMUL_DESC_FAST_ACCUM``, partial sums not promoted to fp32) for a dot of DEFAULT precision;
+  HIGHEST keeps fp32 accumulation, as ``torch._scaled_mm``'s default in torch_ref does. On the CPU the
+  precision of an e4m3 dot changes nothing (fp32 products of 4-bit significands, exact).
+
+Dequantizing first (convert(f8 -> bf16) x scale -> dot, flax.linen.fp8_ops' form) would also be rewritten into a
+cuBLASLt fp8 GEMM with the Triton emitter off, but with it on XLA:GPU removed the bf16 -> f8 -> bf16 convert pair
+(excess precision allowed, its default) and ran a bf16 GEMM: the direct form is an e4m3 GEMM either way.
+
 Current scaling keeps no state: nothing is added to the training state, so checkpoints, exact resume, gradient
 accumulation and FSDP meshes need nothing new (the amax of a sharded tensor is a global reduction XLA inserts).
 Parameters and optimizer state stay fp32.
@@ -28,7 +45,7 @@ Parameters and optimizer state stay fp32.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -78,13 +95,29 @@ def round_e4m3(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
     return dequantize(q, scale, dtype)
 
 
+def e4m3_dot(a: Array, b: Array, dimension_numbers=(((1,), (0,)), ((), ()))) -> Float[Array, "..."]:
+    """The dot of two e4m3 operands with fp32 accumulation and an fp32 result (HIGHEST: no cuBLASLt fast
+    accumulation on GPUs)."""
+    return jax.lax.dot_general(a, b, dimension_numbers, precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def compiler_options(gemms: str, platform: str) -> dict[str, Any]:
+    """The XLA options of a program whose forward GEMMs ``gemms`` (:data:`GEMM_SETS`) are e4m3, compiled for
+    ``platform``: on GPUs the Triton GEMM emitter off, so each e4m3 dot is a cuBLASLt fp8 GEMM (the module
+    docstring says why); nothing elsewhere and for programs without fp8 GEMMs (their programs do not change)."""
+    if platform != "gpu" or not GEMM_SETS[gemms]:
+        return {}
+    return {"xla_gpu_enable_triton_gemm": False}
+
+
 def _forward(x, w, dtype, precision):
     xc, wc = x.astype(dtype), w.astype(dtype)
     (qx, sx), (qw, sw) = quantize(xc), quantize(wc)
-    # the e4m3 operands go into the dot itself, the scales multiply its fp32 result: dequantizing first
-    # (convert(f8 -> bf16) x scale -> dot) was undone by XLA:GPU, which drops a bf16 -> f8 -> bf16 convert pair
-    # when excess precision is allowed (its default), leaving a plain bf16 GEMM
-    y = jax.lax.dot(qx, qw, precision=precision, preferred_element_type=jnp.float32) * (sx * sw)
+    # the e4m3 operands go into the dot itself, the scales multiply its fp32 result (on GPUs: a cuBLASLt fp8 GEMM
+    # with the scales as its scale operand, see the module docstring; the policy's precision is for its bf16
+    # backward)
+    y = e4m3_dot(qx, qw) * (sx * sw)
     return y, (xc, wc, jnp.zeros((), x.dtype))
 
 

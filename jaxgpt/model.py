@@ -254,9 +254,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, dropout_key=None) -> Float[Array, "batch seq embed"]:
         fc = self.c_fc
-        if fc.policy.gemm_output != "float32" and fc.bias is not None:
-            # bf16 GEMM output: the backward keeps it (and the bias) and recomputes bias + GELU from it, the same
-            # values; else XLA kept the fp32 tanh as well, 805 MB per layer at gpt2 b64 (memory and traffic)
+        if (fc.policy.gemm_output != "float32" or fc.policy.fp8_on("mlp")) and fc.bias is not None:
+            # bf16 GEMM output (or the fp8 GEMM's fp32 one, a cuBLASLt call on GPUs that fuses nothing after it):
+            # the backward keeps it (and the bias) and recomputes bias + GELU from it, the same values; else XLA
+            # kept the fp32 tanh as well, 805 MB per layer at gpt2 b64 (memory and traffic)
             y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
             with jax.named_scope("gelu"):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])

@@ -143,7 +143,7 @@ CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (j
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
 
 
-def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
+def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8: bool = False) -> int:
     """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (256 MiB): at GPT-2's vocabulary
     at most 1,334 rows, so 2 chunks of 1,024 rows for 2,048 tokens and one chunk for 1,024. Measured on 2-core
     CPUs: 158-row chunks were 25% slower than 512 (the dW dot's contraction gets short); at gpt2's 1,024 tokens
@@ -154,7 +154,12 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None) -> int:
         budget = CE_CHUNK_ELEMENTS if platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
     rows = max(1, min(n_rows, budget // vocab_rows))
     n_chunks = math.ceil(n_rows / rows)
-    return math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
+    rows = math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
+    if fp8 and platform() != "cpu":
+        # e4m3 logits GEMM: cuBLASLt's fp8 GEMM takes dimensions divisible by 16; XLA pads a chunk of other rows
+        # and slices its (rows, vocab) fp32 result back, a pass over each chunk's logits (2 GB at gpt2 b64)
+        rows = -(-rows // 16) * 16
+    return rows
 
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
@@ -245,6 +250,12 @@ def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
     return (hq,), lambda _, hq_i: (hq_i, wq), h_scale * w_scale
 
 
+def _head_precision(precision, fp8: bool):
+    """The logits GEMM's precision: HIGHEST for e4m3 operands (fp32 accumulation: no cuBLASLt fp8 fast
+    accumulation, see jaxgpt.fp8.e4m3_dot), the policy's otherwise."""
+    return lax.Precision.HIGHEST if fp8 else precision
+
+
 def _scaled(scale, raw, logits):
     """(raw, logits) times the e4m3 operands' power-of-two scale (exact); as they are without one."""
     if scale is None:
@@ -258,7 +269,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`)."""
     M, C = h.shape
     V = w.shape[0]
-    rows = _chunk_rows(M, V)
+    rows = _chunk_rows(M, V, fp8=fp8)
     n_chunks = math.ceil(M / rows)
     pad = n_chunks * rows - M
     hp = jnp.pad(h.astype(dtype), ((0, pad), (0, 0)))
@@ -276,8 +287,8 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
         h_i, t_i, ok, *hq_i = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype,
-                                                          mask_padded))
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
+                                                          _head_precision(precision, fp8), logits_dtype, mask_padded))
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
         if online:
@@ -376,7 +387,7 @@ def token_cross_entropy(
     B, T, C = h.shape
     logits_dtype = _logits_dtype(logits_dtype)
     M = B * T
-    rows = _chunk_rows(M, w.shape[0])
+    rows = _chunk_rows(M, w.shape[0], fp8=fp8)
     n_chunks = math.ceil(M / rows)
     pad = n_chunks * rows - M
     hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
@@ -386,8 +397,8 @@ def token_cross_entropy(
 
     def chunk(inp):
         h_i, t_i, *hq_i = inp
-        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i), precision, logits_dtype,
-                                                          mask_padded))
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
+                                                          _head_precision(precision, fp8), logits_dtype, mask_padded))
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
         return lse - tgt, tgt >= jnp.max(logits, axis=-1)

@@ -36,11 +36,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgpt import fp8, ops
 from jaxgpt import mesh as mesh_lib
-from jaxgpt import ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
 from jaxgpt.optim import current_lr
+from jaxgpt.precision import Policy
 
 DATA_AXIS = "data"
 
@@ -222,6 +223,19 @@ policy) and shapes share one compile."""
 FSDP_REDUCE = ("micro_step", "step")
 
 
+def compiler_options(graphdef: nnx.GraphDef, mesh: Mesh) -> dict[str, Any] | None:
+    """The XLA options the train and eval steps of ``graphdef``'s model are jitted with on ``mesh``'s devices (None:
+    XLA's defaults): a model with fp8 GEMMs gets :func:`jaxgpt.fp8.compiler_options` on GPUs (cuBLASLt fp8 GEMMs);
+    every other program is compiled as it always was. The policy is read from the graphdef (a static attribute of
+    every module), so training, ``jaxgpt.compile`` and the GPU benchmarks compile one program."""
+    gemms = {a.value.fp8 for _, a in graphdef.attributes if isinstance(getattr(a, "value", None), Policy)}
+    platform = ops.devices_platform(mesh)
+    options: dict[str, Any] = {}
+    for g in sorted(gemms):
+        options.update(fp8.compiler_options(g, platform))
+    return options or None
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, *, micro_steps: int,
                     dropout: bool = False, mesh: Mesh | None = None,
                     lr_schedule: optax.Schedule | None = None, fsdp_reduce: str = "micro_step",
@@ -299,7 +313,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     # The state's shardings follow from its shapes (jaxgpt.mesh.state_shardings) and are applied inside
     # the step; None: "as the argument is placed" (step_fn places it) / "as constrained".
     jitted = jax.jit(step, in_shardings=(None, batch, batch, repl), out_shardings=(None, repl),
-                     donate_argnums=0)
+                     donate_argnums=0, compiler_options=compiler_options(graphdef, mesh))
     returned: list[weakref.ref | None] = [None]  # the state the last call returned (weakly: never kept alive)
 
     def step_fn(state: TrainState, x, y, key: jax.Array | None = None):
@@ -336,7 +350,8 @@ def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh | None = None) -> Calla
     def loss(params, x, y):
         return loss_fn(graphdef, mesh_lib.gather(mesh_lib.constrain(params, mesh), mesh), x, y)
 
-    jitted = jax.jit(loss, in_shardings=(None, batch, batch), out_shardings=repl)
+    jitted = jax.jit(loss, in_shardings=(None, batch, batch), out_shardings=repl,
+                     compiler_options=compiler_options(graphdef, mesh))
 
     def eval_fn(params: nnx.State, x, y) -> jax.Array:
         _check_batch_shape(x, y, mesh, ndim=2)

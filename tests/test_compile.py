@@ -183,6 +183,7 @@ def _assert_gpu_program(cs, data, *, n_layer: int):
     assert st["cudnn_attention_fwd"] == n_layer and st["cudnn_attention_bwd"] == n_layer  # one loop body
     assert st["square_buffers"] == 0  # no (T, T) attention matrix anywhere
     assert set(st["gemms"]) == {"bf16 x bf16 -> f32"}, st["gemms"]
+    assert st["fp8_gemms"] == {}
     assert set(st["loss_reductions"]) == {"f32"}
     n_arrays, state_bytes = _state_arrays(cs)
     assert st["donated_params"] >= n_arrays  # params and optimizer state all donated (aliased to the outputs)
@@ -198,15 +199,37 @@ def test_tiny_step_compiles_for_h100_with_cudnn_attention_bf16_gemms_and_donatio
 
 
 @needs_plugin
-def test_tiny_step_with_precision_fp8_has_e4m3_gemms_for_every_linear_layer():
+def test_tiny_step_with_precision_fp8_has_cublaslt_fp8_gemms_for_every_linear_layer():
     """precision: fp8 (jaxgpt.fp8): each layer's forward Linear GEMMs take e4m3 operands in the compiled H100 step:
     q, k, v (at the tiny width XLA's dot merger joins the three GEMMs of one input into one; gpt2-124m keeps 3 x 12),
     attn.c_proj, c_fc, mlp.c_proj; and the lm_head's logits GEMM (one, in the fused loss's chunk loop); everything
-    else stays bf16 x bf16 -> f32."""
+    else stays bf16 x bf16 -> f32. Every e4m3 GEMM is a cuBLASLt fp8 call (``__cublas$lt$matmul$f8``), none a Triton
+    GEMM fusion or an XLA-emitted dot; the scales are its scale operands (a, b, a_scale, b_scale: no pass over its
+    fp32 result multiplies them in), with fp32 accumulation (HIGHEST: no fast accumulation); and the calibrated
+    prediction prices these unmeasured calls at the least efficient measured GEMM rate, marked uncalibrated."""
+    from jaxgpt.compile import calibrated
+    from jaxgpt.compile.hlo import Module
+
     cs, data = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("precision=fp8", "fp8_gemms=all"))
-    gemms = data["structure"]["gemms"]
-    assert cs.policy.fp8 == "all" and gemms.get("f8e4m3fn x f8e4m3fn -> f32") == 4 * 2 + 1, gemms
+    st = data["structure"]
+    gemms, n = st["gemms"], 4 * 2 + 1
+    assert cs.policy.fp8 == "all" and gemms.get("f8e4m3fn x f8e4m3fn -> f32") == n, gemms
     assert set(gemms) == {"bf16 x bf16 -> f32", "f8e4m3fn x f8e4m3fn -> f32"}, gemms
+    assert st["fp8_gemms"] == {"cublaslt": n}, st["fp8_gemms"]  # a fallback to Triton or to a bf16 GEMM fails
+    m = Module(cs.hlo_text())
+    calls = [i for instrs in m.computations.values() for i in instrs
+             if i.opcode == "custom-call" and '"__cublas$lt$matmul$f8"' in i.attrs]
+    assert len(calls) == n
+    for call in calls:
+        cfg = call.backend_config()["gemm_backend_config"]
+        assert len(call.operands) == 4 and cfg["precision_config"]["operand_precision"] == ["HIGHEST", "HIGHEST"]
+        assert cfg["epilogue"] == "DEFAULT" and call.shapes[0].dtype == "f32"
+    cal = calibrated.for_target("h100-sxm")
+    worst = min((r for r in cal.rates.values() if r.kind == "gemm" and r.efficiency() > 0),
+                key=calibrated.Rate.efficiency)
+    pred = data["prediction"]["calibrated"]
+    assert {c for c in pred["uncalibrated"] if "f8" in c} == {"gemm: f8e4m3fn->f32 NN", "gemm: f8e4m3fn->f32 NT"}
+    assert pred["by_class"].get(f"gemm: {worst.name} (uncalibrated)", 0) > 0, pred["by_class"]
 
 
 @needs_plugin

@@ -1,0 +1,84 @@
+"""What the fp8 program is compiled with (jaxgpt.fp8, jaxgpt.step): the XLA options that make its e4m3 GEMMs cuBLASLt
+fp8 calls on GPUs, and the program changes they came with, each with the same values on the CPU. The compiled H100
+step's cuBLASLt fp8 GEMMs are counted in tests/test_compile.py (they need JAX's CUDA plugin)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgpt import fp8, ops, step
+from jaxgpt.model import GPT, MLP, GPTConfig
+from jaxgpt.precision import Policy
+
+GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def _gpu_mesh():
+    return SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))
+
+
+def test_fp8_programs_alone_get_the_cublaslt_compiler_options():
+    """The Triton GEMM emitter off for a GPU program with e4m3 GEMMs (XLA's GEMM fusion would otherwise claim them
+    before the cuBLAS rewriter sees them), whichever GEMMs are e4m3; nothing for bf16/fp32 programs or on CPUs. The
+    train and eval steps read the policy from the model's graphdef, so every caller jits one program."""
+    for gemms in ("lm_head", "mlp", "mlp+lm_head", "all"):
+        assert fp8.compiler_options(gemms, "gpu") == GPU_OPTIONS
+        assert fp8.compiler_options(gemms, "cpu") == {}
+    assert fp8.compiler_options("none", "gpu") == {}
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    for policy, gpu in ((Policy.named("fp8", fp8_gemms="lm_head"), GPU_OPTIONS), (Policy.named("bf16"), None),
+                        (Policy.named("fp32"), None), (Policy.named("bf16-autocast"), None)):
+        model = nnx.eval_shape(lambda: GPT(cfg, policy=policy, rngs=nnx.Rngs(params=0)))
+        graphdef, _ = nnx.split(model, nnx.Param)
+        assert step.compiler_options(graphdef, step.data_mesh()) is None  # this process's CPU devices
+        assert step.compiler_options(graphdef, _gpu_mesh()) == gpu, policy
+
+
+def test_the_e4m3_dots_highest_precision_changes_nothing_on_the_cpu():
+    """HIGHEST on the e4m3 dot turns cuBLASLt's fp8 fast accumulation off on GPUs; on the CPU it is the same dot, bit
+    for bit (e4m3 x e4m3 products are exact in fp32)."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(48, 96)) * 30, jnp.float32).astype(fp8.E4M3)
+    b = jnp.asarray(rng.normal(size=(96, 40)) * 30, jnp.float32).astype(fp8.E4M3)
+    default = jax.lax.dot(a, b, preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp8.e4m3_dot(a, b)), np.asarray(default))
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    assert np.abs(np.asarray(default) - exact).max() <= 2**-20 * np.abs(np.asarray(a, np.float64)).max() * \
+        np.abs(np.asarray(b, np.float64)).max() * 96  # fp32 accumulation of exact products
+
+
+def test_fp8_mlp_recomputes_gelu_with_the_same_values_and_gradients():
+    """Under precision: fp8 the MLP keeps the e4m3 c_fc GEMM's fp32 output for the backward and recomputes bias +
+    GELU (jax.checkpoint; XLA otherwise kept the fp32 tanh too once the GEMM was a cuBLASLt call that fuses nothing
+    after it: 38.8 -> 28.8 GiB at gpt2 b64): the same loss and gradients as the plain expression, bit for bit."""
+    cfg = GPTConfig.preset("tiny", vocab_size=512)
+    mlp = MLP(cfg, policy=Policy.named("fp8", fp8_gemms="mlp"), rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, cfg.n_embd)), jnp.float32)
+
+    def plain(m, x):
+        return jnp.sum(m.c_proj(jax.nn.gelu(m.c_fc(x), approximate=True)) ** 2)
+
+    def mine(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    (va, ga), (vb, gb) = (nnx.value_and_grad(f, argnums=(0, 1))(mlp, x) for f in (mine, plain))
+    assert float(va) == float(vb)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fp8_logits_chunks_are_a_multiple_of_16_rows_on_gpus_only():
+    """cuBLASLt's fp8 GEMM takes dimensions divisible by 16: on GPUs the e4m3 logits GEMM's chunks are rounded up to
+    a multiple of 16 rows (else XLA pads each chunk and slices its fp32 logits back: 8.6 ms per gpt2 b64 step
+    predicted); the bf16 chunks and every CPU chunk are as they were."""
+    with ops.traced_for([SimpleNamespace(platform="gpu")]):
+        bf16_rows, fp8_rows = ops._chunk_rows(65536, 50304), ops._chunk_rows(65536, 50304, fp8=True)
+        small = ops._chunk_rows(256, 50304, fp8=True)
+    assert bf16_rows == 5042 and fp8_rows == 5056 and small == 256
+    assert ops._chunk_rows(65536, 50304, fp8=True) == ops._chunk_rows(65536, 50304)  # CPU: unchanged
+    assert ops._chunk_rows(1000, 50304, fp8=True) == 1000
