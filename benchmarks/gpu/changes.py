@@ -37,7 +37,11 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
         "b64": "layernorm-fused-b64", "b16": "layernorm-fused-b16", "yaml": "layernorm-fused-gpt2-124m"}),
     ("gradient norm: the 98 small leaves in one reduction", "optim.grad_norm=grouped", {
         "b64": "grad-norm-grouped-b64", "b16": "grad-norm-grouped-b16", "yaml": "grad-norm-grouped-gpt2-124m"}),
-    ("fp8 (issue 33): every forward GEMM in e4m3, current scaling", "precision=fp8", {"b64": "fp8-b64"}),
+    ("fp8 (issue 33): every forward GEMM in e4m3, current scaling (cuBLASLt fp8 GEMMs, Triton GEMMs off)",
+     "precision=fp8", {"b64": "fp8-b64"}),
+    ("fp8: the lm_head's GEMM alone in e4m3", "precision=fp8 fp8_gemms=lm_head", {"b64": "fp8-lm_head-b64"}),
+    ("fp8: the MLP's and the lm_head's GEMMs in e4m3", "precision=fp8 fp8_gemms=mlp+lm_head",
+     {"b64": "fp8-mlp_lm_head-b64"}),
     ("all opt-in changes together: bf16-autocast + fused LayerNorm + grouped norm",
      "precision=bf16-autocast layer_norm=fused optim.grad_norm=grouped", {"b64": "combined-b64"}),
 ]
