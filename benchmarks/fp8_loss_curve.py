@@ -172,7 +172,9 @@ def markdown(res: dict[str, Any]) -> str:
     cpu += " (" + ", ".join(f"{f} {'yes' if flags.get(f) else 'no'}" for f in ("avx2", "avx512f", "avx512_bf16",
                                                                                "amx_bf16")) + ")"
     lines = [
-        f"`{res['command']}` (git {res['git']}): `{Path(a['config']).name}` "
+        f"`{res['command']}` (git {res['git']}"
+        + (", run from `git archive` of that commit (plus this script): the shared tree's uncommitted edits could not reach the runs"
+           if a.get("git_rev") else "") + f"): `{Path(a['config']).name}` "
         + (f"with {', '.join(a['set'])}" if a.get("set") else "(nanoGPT's CPU char recipe: 4 layers, 4 heads, 128 "
            "wide, 64 characters x 12 rows per step)")
         + f" for {a['steps']:,} steps at each precision, from the "
@@ -180,7 +182,7 @@ def markdown(res: dict[str, Any]) -> str:
         "batches (20 in the recipe: 15,360 characters, the same every time) every "
         f"{a['eval_interval']} steps. CPU: {cpu}, {res['cpu'].get('cores')} cores shared with other jobs; "
         f"{res['seconds'] / 60:.0f} min in all. Measured, on the CPU (fp8 numerics, not fp8 speed: e4m3 GEMMs are "
-        "emulated here).",
+        "emulated here; tokens/s and wall time follow the shared machine's load, which changed between the runs).",
         "",
         "| run | final val loss | fp8 - bf16 (same seed) | max abs gap (step) | evals within bf16's seed range | "
         "bound holds | tokens/s | wall |",

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxgpt.train import read_metrics
 from tests.runs import checkpoint_then_two_steps, sigkill_when
-from tests.test_preempt import finish, saved_steps, saving, steps_done, wait_for
+from tests.test_preempt import finish, saved_steps, steps_done, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "parity_tests"))
