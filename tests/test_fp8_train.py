@@ -77,7 +77,8 @@ def reference(tmp_path_factory, env):
 def test_fp8_run_trains_checkpoints_and_samples(reference):
     import yaml
 
-    out, _ = reference
+    out, proc = reference
+    assert "bfloat16 compute with e4m3 forward GEMMs (fp8_gemms all)" in proc.stdout.splitlines()[0], proc.stdout
 
     cfg = yaml.safe_load((out / "config.yaml").read_text())
     assert (cfg["precision"], cfg["fp8_gemms"]) == ("fp8", "all")
@@ -277,6 +278,7 @@ def _bench(tmp_path: Path, steps: int, every: int, *extra: str) -> tuple[int, di
     return rc, json.loads((tmp_path / "out" / "fp8-loss-curve.json").read_text())
 
 
+@pytest.mark.slow  # 60 s on 2 cores (4 compilations); its verdict logic: the test above
 def test_loss_curve_benchmark_runs_a_few_steps(tmp_path, monkeypatch):
     """benchmarks/fp8_loss_curve.py end to end for 4 steps in this process: bf16 at two seeds and fp8 at the first,
     curves, the verdict, the table and the plot."""

@@ -307,7 +307,9 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             self.policy.compute_dtype, e4m3_fraction=e4m3_fraction(m, seq_len=cfg.seq_len, fp8_gemms=self.policy.fp8))
         self.n_dev = jax.device_count()
         self.say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({m.n_layer}L {m.n_head}H {m.n_embd}C, vocab rows "
-                 f"{m.vocab_rows}), init {cfg.init_from}, {self.policy.compute_dtype} compute, {self.n_dev} x "
+                 f"{m.vocab_rows}), init {cfg.init_from}, {self.policy.compute_dtype} compute"
+                 + (f" with e4m3 forward GEMMs (fp8_gemms {self.policy.fp8})" if self.policy.fp8 != "none" else "")
+                 + f", {self.n_dev} x "
                  f"{jax.devices()[0].device_kind}, {self.pcount} process(es)")
         self.say(f"  batch: {self.tokens_per_step:,} tokens/step = {self.micro_steps} micro step(s) x "
                  f"{cfg.batch_size} x {cfg.seq_len} x {self.pcount} process(es); data {self.data_dir} "
