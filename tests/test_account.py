@@ -5,6 +5,7 @@ against ml_dtypes, and the CLI (tables, JSON, clean errors with exit code 2)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -194,17 +195,26 @@ def test_account_fp8_defaults_and_fallback():
 
 def test_fp8_memory_terms_by_hand():
     """precision fp8 = bf16's memory (its bf16 backward keeps the same bf16 copies) + the lm_head's e4m3 h and head
-    (live through the fused loss, at the peak) + 2 fp32 scales per e4m3 GEMM of a forward."""
+    (live through the fused loss, at the peak) + on GPUs its loss chunks' growth to a multiple of 16 rows + 2 fp32
+    scales per e4m3 GEMM of a forward."""
     cfg = GPTConfig.preset("gpt2", padded_vocab_size=50304)
-    C, M = 768, 64 * 1024
+    C, M, V = 768, 64 * 1024, 50304
     bf16 = acc.estimate_memory(cfg, batch_size=64, precision="bf16", attention="cudnn", device="h100")
     fp8 = acc.estimate_memory(cfg, batch_size=64, precision="fp8", attention="cudnn", device="h100")
     assert fp8.weight_copies == bf16.weight_copies and fp8.activations == bf16.activations
-    # 65,536 rows in 50 balanced chunks of 1,311 (CE_CHUNK_ELEMENTS // 50,304 = 1,334): 65,550 padded rows
-    assert fp8.fp8.lm_head_operands == 65_550 * C + 50_304 * C
+    # GPU chunks: 2^28 // 50,304 = 5,336 rows -> 13 balanced chunks of 5,042 (bf16); e4m3: 5,056 (16 | rows)
+    assert acc.loss_chunk_rows(M, V, gpu=True) == 5042 and acc.loss_chunk_rows(M, V, gpu=True, fp8=True) == 5056
+    assert fp8.fp8.lm_head_operands == 13 * 5056 * C + V * C
+    # 14 more rows per chunk: fp32 logits + bf16 softmax gradient, the chunk's bf16 h, 3 fp32 per-row vectors;
+    # 182 more padded rows: bf16 h, int32 target, bool valid mask
+    assert fp8.fp8.chunk_growth == 14 * (6 * V + 2 * C + 12) + 182 * (2 * C + 5)
     assert fp8.fp8.gemm_calls == 12 * 6 + 1 and fp8.fp8.scales == 73 * 8  # q, k, v as three GEMMs on GPUs
-    assert fp8.total - bf16.total == fp8.xla_temp - bf16.xla_temp == fp8.fp8.lm_head_operands + 73 * 8
+    assert fp8.total - bf16.total == fp8.xla_temp - bf16.xla_temp == fp8.fp8.at_peak
+    assert fp8.fp8.at_peak == fp8.fp8.lm_head_operands + fp8.fp8.chunk_growth + 73 * 8
     assert fp8.fp8.layer_operands == M * 4 * C + 4 * C * C  # mlp.c_proj's; not in the total
+    cpu = acc.estimate_memory(cfg, batch_size=64, precision="fp8", device="cpu").fp8
+    # CPU chunks (2^26 // 50,304 = 1,334 rows: 50 balanced chunks of 1,311 = 65,550 rows), never rounded
+    assert (cpu.lm_head_operands, cpu.chunk_growth, cpu.gemm_calls) == (65_550 * C + V * C, 0, 12 * 4 + 1)
     mlp = acc.estimate_memory(cfg, batch_size=64, precision="fp8", fp8_gemms="mlp", device="cpu")
     assert (mlp.fp8.lm_head_operands, mlp.fp8.gemm_calls, mlp.fp8.scales) == (0, 24, 192)
     head = acc.estimate_memory(cfg, batch_size=64, precision="fp8", fp8_gemms="lm_head", device="cpu")
@@ -217,21 +227,38 @@ def test_fp8_memory_terms_by_hand():
         acc.estimate_memory(cfg, batch_size=2, precision="fp8", fast_kernels=False)
 
 
-def test_fp8_memory_explains_the_compiled_h100_step():
-    """The committed H100 programs of gpt2 124M at b64 (compiled here by jaxgpt.compile, precision bf16 and fp8 with
-    every forward GEMM in e4m3): XLA:GPU's extra temp bytes under fp8 are the account's fp8 terms, within 0.1%
-    (89,007,360 bytes against 88,976,456). Recompiling predicted-h100-fp8-b64.json (a new fp8 lowering) re-checks
-    the model here."""
+# XLA's heap packing: the gaps its packer leaves at the temp peak are no shape term (see the test's docstring)
+HEAP_PACKING_SLACK = 0.002
+
+
+@pytest.mark.parametrize("gemms, stem", [("all", "fp8"), ("lm_head", "fp8-lm_head"),
+                                         ("mlp+lm_head", "fp8-mlp_lm_head")])
+def test_fp8_memory_explains_the_compiled_h100_step(gemms, stem):
+    """The committed H100 programs of gpt2 124M at b64 (compiled here by jaxgpt.compile, cuBLASLt fp8 GEMMs):
+    XLA:GPU's extra temp bytes under fp8 over the bf16 program are the account's fp8 terms plus XLA's heap-packing
+    gaps. XLA's buffer assignment of these programs (``XLA_FLAGS=--xla_dump_to=DIR``, its live-range file) puts the
+    temp peak of all four in the fused loss's chunk loop, where each fp8 program (all, lm_head, mlp+lm_head) holds
+    exactly 93,640,246 bytes more live than bf16: the model's e4m3 h (13 chunks x 5,056 rows x 768) and head
+    (50,304 x 768) and its chunk growth to 16-row chunks (5,042 -> 5,056 rows: 4,527,670), to the byte (the scales,
+    584 B at most, are an upper bound). The temp XLA reports is the heap its packer lays the buffers in, with gaps
+    at the peak where buffers of other times sit: 355.9 MB for bf16, then 46.9 MB (all), 17.6 MB (lm_head) and
+    20.7 MB (mlp+lm_head) more, 0.06-0.16% of the step's temp, following no shape. So the bound is: the compiled
+    difference is at least the model (every term is live at the peak) and exceeds it by at most HEAP_PACKING_SLACK
+    (0.2%) of the fp8 program's temp. The old 0.1% bound on the difference itself cannot hold: the packing gaps are
+    a third of the difference under `all`. A model counting one layer's e4m3 copy (65,536 x 768 = 50.3 MB, not live
+    at the peak) fails all three; one missing the e4m3 head (38.6 MB) fails for all. Recompiling the JSONs (a new
+    lowering) re-checks the model here."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     temp = {}
-    for name in ("baseline", "fp8"):
+    for name in ("baseline", stem):
         d = json.loads((results / f"predicted-h100-{name}-b64.json").read_text())
         temp[name] = d.get("compiled", d)["memory"]["temp"]
     cfg = GPTConfig.preset("gpt2", padded_vocab_size=50304)
-    fp8 = acc.estimate_memory(cfg, batch_size=64, precision="fp8", attention="cudnn", device="h100")
-    assert temp["fp8"] - temp["baseline"] == pytest.approx(fp8.fp8.at_peak, rel=0.001)
+    fp8 = acc.estimate_memory(cfg, batch_size=64, precision="fp8", fp8_gemms=gemms, attention="cudnn", device="h100")
+    packing = temp[stem] - temp["baseline"] - fp8.fp8.at_peak
+    assert 0 <= packing <= HEAP_PACKING_SLACK * temp[stem], (packing, fp8.fp8.to_dict())
 
 
 def test_train_mfu_peak_under_fp8(monkeypatch):
@@ -431,6 +458,12 @@ def test_mirrored_kernel_constants_match_jaxgpt_ops():
     from jaxgpt import ops
 
     assert acc.CE_CHUNK_ELEMENTS == ops.CE_CHUNK_ELEMENTS
+    assert acc.CE_CHUNK_ELEMENTS_GPU == ops.CE_CHUNK_ELEMENTS_GPU
+    for gpu in (False, True):  # the loss's chunk rows, e4m3 chunks rounded to 16 rows on GPUs
+        with ops.traced_for([SimpleNamespace(platform="gpu" if gpu else "cpu")]):
+            for n, v, fp8 in itertools.product((1, 17, 256, 1000, 2048, 16384, 65536), (65, 50257, 50304),
+                                               (False, True)):
+                assert acc.loss_chunk_rows(n, v, gpu=gpu, fp8=fp8) == ops._chunk_rows(n, v, fp8=fp8), (n, v, gpu)
     assert acc.ATTENTION_QUERY_BLOCKS == ops.ATTENTION_QUERY_BLOCKS
     for T in (1, 3, 37, 256, 1024):
         keys = sum((b - a) * b for a, b in ops.query_blocks(T)) / T

@@ -10,6 +10,7 @@ from jaxgpt.account.common import (
     ATTENTION_IMPLS,
     ATTENTION_QUERY_BLOCKS,
     CE_CHUNK_ELEMENTS,
+    CE_CHUNK_ELEMENTS_GPU,
     FP8_SCALE_BYTES,
     OPTIMIZER_STATES,
     OPTIMIZERS,
@@ -127,7 +128,8 @@ class MemoryEstimate:
 
     @property
     def fp8_bytes(self) -> int:
-        """What precision: fp8 adds at the step's peak: the lm_head's e4m3 operands and the scales."""
+        """What precision: fp8 adds at the step's peak: the lm_head's e4m3 operands, its loss chunks' growth on
+        GPUs and the scales."""
         return 0 if self.fp8 is None else self.fp8.at_peak
 
     @property
@@ -178,62 +180,92 @@ class MemoryEstimate:
                     gathered_weights=self.gathered_weights, fp8=None if self.fp8 is None else self.fp8.to_dict())
 
 
+def loss_chunk_rows(n_rows: int, vocab_rows: int, *, gpu: bool, fp8: bool = False) -> int:
+    """Rows per chunk of jaxgpt's fused lm_head + cross-entropy, as ``jaxgpt.ops._chunk_rows`` picks them (mirrored:
+    the accountant stays jax-free; tests/test_account.py checks they agree): one chunk's fp32 logits near
+    CE_CHUNK_ELEMENTS (the CPU) or CE_CHUNK_ELEMENTS_GPU elements, balanced chunks, and on GPUs the e4m3 logits
+    GEMM's (``fp8``) rounded up to a multiple of 16 rows (cuBLASLt's fp8 GEMM)."""
+    budget = CE_CHUNK_ELEMENTS_GPU if gpu else CE_CHUNK_ELEMENTS
+    rows = max(1, min(n_rows, budget // vocab_rows))
+    rows = -(-n_rows // -(-n_rows // rows))
+    return -(-rows // 16) * 16 if fp8 and gpu else rows
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Memory:
     """What ``precision: fp8`` (jaxgpt.fp8) adds to the bf16 policy's memory, per device. Its bf16 straight-through
     backward keeps the same bf16 operand copies as the bf16 policy (the weight copies and the saved activations,
-    counted there unchanged); on top of them:
+    counted there unchanged); on top of them, at the step's peak (the fused loss's chunk loop, every layer's
+    activations saved):
 
     * ``lm_head_operands``: the lm_head's e4m3 copies of h (B T x C, padded to whole loss chunks) and of the head
       (Vp x C), 1 byte per element. The fused loss quantizes both whole arrays once and keeps them through its
-      chunk loop, which runs at the step's peak (every layer's activations saved): counted in the total.
+      chunk loop.
+    * ``chunk_growth``: on GPUs the e4m3 logits GEMM's chunks are a multiple of 16 rows (``loss_chunk_rows``:
+      5,056 rather than bf16's 5,042 at gpt2 b64), so every buffer of a chunk grows by the extra rows: the fp32
+      logits and the compute-dtype softmax gradient ((4 + 2) x rows x Vp), the chunk's h (2 x rows x C), the
+      padded h (2 x padded rows x C), the targets and valid-row mask (5 B per padded row) and the per-row fp32
+      max, sum and log-sum-exp (12 B per row). 0 on the CPU (its chunks are not rounded).
     * ``scales``: two fp32 scales per e4m3 GEMM call of a forward (jaxgpt.fp8.scales_bytes), recomputed every call,
-      none kept between steps or checkpointed; counted in the total (an upper bound: at most the lm_head's two are
-      alive at the peak).
+      none kept between steps or checkpointed; counted (an upper bound: at most the lm_head's two are alive at the
+      peak).
     * ``layer_operands``: the largest layer GEMM's e4m3 copies of x and of its weight (mlp.c_proj's 4C-wide input
       under ``mlp``/``all``, else c_attn's). They live only during that forward GEMM, freed long before the peak
       (nothing of the e4m3 forward is saved for the bf16 backward): printed, not added to the total.
 
-    Checked against XLA:GPU: the compiled gpt2 124M b64 H100 step (benchmarks/results/predicted-h100-fp8-b64.json,
-    fp8_gemms all) holds 89,007,360 temp bytes more than its bf16 twin (predicted-h100-baseline-b64.json); the
-    lm_head's e4m3 h and head are 88,965,120 of them (65,536 x 768 + 50,304 x 768), the scales 584."""
+    Checked against XLA:GPU (tests/test_account.py): the compiled gpt2 124M b64 H100 steps
+    (benchmarks/results/predicted-h100-fp8*-b64.json, cuBLASLt fp8 GEMMs) against their bf16 twin
+    (predicted-h100-baseline-b64.json). XLA's buffer assignment (``--xla_dump_to``) puts the temp peak of each in
+    the fused loss's chunk loop, where the fp8 programs (fp8_gemms all, lm_head, mlp+lm_head alike) hold 93,640,246
+    bytes more live than bf16: the e4m3 h (65,728 x 768 = 50,479,104) and head (38,633,472) and the chunk growth
+    (4,527,670), this model's terms to the byte; no layer's e4m3 copy is live there. The temp XLA reports is the
+    heap its packer lays these buffers in, with gaps at the peak (buffers of other times placed between them):
+    355.9 MB for bf16, 46.9 MB (all), 17.6 MB (lm_head), 20.7 MB (mlp+lm_head) more for fp8, which no shape
+    predicts (0.06-0.16% of the temp): compiled temp differences of 140,543,744, 111,258,368 and 114,373,376 B."""
 
     fp8_gemms: str
     gemm_calls: int  # e4m3 GEMM calls per forward (c_attn as three on GPUs: jaxgpt.model's q, k, v column blocks)
     lm_head_operands: int
     scales: int
     layer_operands: int
+    chunk_growth: int = 0
 
     @property
     def at_peak(self) -> int:
-        return self.lm_head_operands + self.scales
+        return self.lm_head_operands + self.chunk_growth + self.scales
 
     def rows(self) -> list[tuple[str, int]]:
         return [(f"fp8 e4m3 lm_head operands (h, head; {self.fp8_gemms})", self.lm_head_operands),
+                *([("fp8 loss chunks rounded to 16 rows", self.chunk_growth)] if self.chunk_growth else []),
                 (f"fp8 scales ({self.gemm_calls} e4m3 GEMMs x 2 fp32)", self.scales)]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(fp8_gemms=self.fp8_gemms, gemm_calls=self.gemm_calls, lm_head_operands=self.lm_head_operands,
-                    scales=self.scales, layer_operands=self.layer_operands, at_peak=self.at_peak)
+                    chunk_growth=self.chunk_growth, scales=self.scales, layer_operands=self.layer_operands,
+                    at_peak=self.at_peak)
 
 
-def estimate_fp8(config: GPTConfig, *, tokens: int, fp8_gemms: str, split_qkv: bool = True) -> Fp8Memory:
+def estimate_fp8(config: GPTConfig, *, tokens: int, fp8_gemms: str, gpu: bool = True,
+                 compute_bytes: int = 2) -> Fp8Memory:
     """precision: fp8's e4m3 copies and scales for a micro-step of ``tokens`` tokens (see :class:`Fp8Memory`).
-    ``split_qkv``: c_attn as three GEMMs, as jaxgpt.model runs it on GPUs (one on the CPU)."""
+    ``gpu``: the program jaxgpt runs on GPUs (c_attn as three GEMMs, the fused loss's GPU chunks with the e4m3
+    ones rounded to 16 rows); on the CPU c_attn is one GEMM and the chunks are the bf16 ones."""
     from jaxgpt.flops import FP8_GEMM_SETS, e4m3_kinds
 
     e4m3_kinds(fp8_gemms)  # the one-line error for a bad name
     gemms = FP8_GEMM_SETS[fp8_gemms]
-    C, L, Vp, M = config.n_embd, config.n_layer, config.vocab_rows, tokens
-    calls = L * ((4 if split_qkv else 2) * ("attn" in gemms) + 2 * ("mlp" in gemms)) + ("lm_head" in gemms)
-    head = 0
+    C, L, Vp, M, cd = config.n_embd, config.n_layer, config.vocab_rows, tokens, compute_bytes
+    calls = L * ((4 if gpu else 2) * ("attn" in gemms) + 2 * ("mlp" in gemms)) + ("lm_head" in gemms)
+    head = growth = 0
     if "lm_head" in gemms:
-        rows = min(M, max(1, CE_CHUNK_ELEMENTS // Vp))
-        chunks = -(-M // rows)
-        head = chunks * -(-M // chunks) * C + Vp * C  # h padded to whole balanced chunks (jaxgpt.ops), the head
+        rows, bf16_rows = (loss_chunk_rows(M, Vp, gpu=gpu, fp8=f) for f in (True, False))
+        padded, bf16_padded = (-(-M // r) * r for r in (rows, bf16_rows))
+        head = padded * C + Vp * C  # h padded to whole chunks (jaxgpt.ops), the head
+        extra_rows, extra_padded = rows - bf16_rows, padded - bf16_padded
+        growth = extra_rows * ((4 + cd) * Vp + cd * C + 3 * 4) + extra_padded * (cd * C + 4 + 1)
     layer = max([M * 4 * C + 4 * C * C] * ("mlp" in gemms) + [M * C + 3 * C * C] * ("attn" in gemms), default=0)
-    return Fp8Memory(fp8_gemms=fp8_gemms, gemm_calls=calls, lm_head_operands=head,
-                     scales=FP8_SCALE_BYTES * calls, layer_operands=layer)
+    return Fp8Memory(fp8_gemms=fp8_gemms, gemm_calls=calls, lm_head_operands=head, scales=FP8_SCALE_BYTES * calls,
+                     layer_operands=layer, chunk_growth=growth)
 
 
 def saved_bytes_per_layer_token(config: GPTConfig, seq_len: int, *, precision: str = "fp32",
@@ -325,7 +357,7 @@ def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None =
     fp8 = None
     if precision == "fp8":
         fp8 = estimate_fp8(config, tokens=batch_size * seq_len, fp8_gemms=fp8_gemms or "all",
-                           split_qkv=device is None or resolve_device(device) != "cpu")
+                           gpu=device is None or resolve_device(device) != "cpu")
     return MemoryEstimate(
         params=per_device(4 * n), grads=per_device(4 * n),
         grad_accumulator=per_device(4 * n) if grad_accum > 1 else 0,
