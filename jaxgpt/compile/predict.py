@@ -42,13 +42,16 @@ class Peaks:
 
 def gpu_peaks(target, *, fp32_dots: str = "tf32") -> Peaks:
     """Dense peaks of a :class:`~jaxgpt.compile.targets.GpuTarget` (jaxgpt.devices' table). fp32 dots run as
-    TF32 on tensor cores under JAX's default matmul precision; pass ``fp32_dots="fp32"`` for pinned precision."""
-    from jaxgpt.devices import peak_flops
+    TF32 on tensor cores under JAX's default matmul precision; pass ``fp32_dots="fp32"`` for pinned precision.
+    GEMMs of fp8 operands (``f8e4m3fn``, precision: fp8) get the device's dense fp8 peak (twice bf16's on Hopper),
+    or its bf16 peak on a device without fp8 tensor cores (jaxgpt.devices.fp8_peak): this is a lower bound, so the
+    true peak is what it takes (the calibrated estimate prices these unmeasured GEMMs on its own terms)."""
+    from jaxgpt.devices import fp8_peak, peak_flops
 
     f32 = peak_flops(target.name, fp32_dots)
-    return Peaks(target.name, {"bf16": peak_flops(target.name, "bf16"), "f16": peak_flops(
-        target.name, "bf16"), "f32": f32}, vector=peak_flops(target.name, "fp32"),
-        bandwidth=target.memory_bandwidth)
+    bf16 = peak_flops(target.name, "bf16")
+    return Peaks(target.name, {"bf16": bf16, "f16": bf16, "f32": f32, "f8": fp8_peak(target.name, "bf16")[0]},
+                 vector=peak_flops(target.name, "fp32"), bandwidth=target.memory_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)
