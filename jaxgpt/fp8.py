@@ -23,11 +23,12 @@ operands (``jaxgpt.ops.matmul``'s backward), as if the forward had not been quan
 On GPUs this is one cuBLASLt fp8 GEMM per layer (``__cublas$lt$matmul$f8``): XLA:GPU's GEMM rewriter takes a dot
 of e4m3 operands and folds the multiply by the scales into the call's scale operand. Two things make it so:
 
-* :func:`compiler_options` (the train and eval steps are jitted with them, :mod:`jaxgpt.step`): XLA's Triton GEMM
-  emitter off for programs with fp8 GEMMs. XLA:GPU's GEMM fusion pass runs before the cuBLAS GEMM rewriter and
-  claims every e4m3 dot (alone, transposed, dequantized or not) as a Triton GEMM fusion; only the autotuner on a
-  GPU may hand one back to cuBLAS, so the program compiled here (compile-only, no autotuning) and the one a GPU
-  runs could differ. With the option the fp8 program is cuBLAS everywhere, on the GPU as compiled here.
+* :func:`compiler_options` (the train and eval steps, :mod:`jaxgpt.step`, and the decoder of :mod:`jaxgpt.generate`
+  are jitted with them): XLA's Triton GEMM emitter off for programs with fp8 GEMMs. XLA:GPU's GEMM fusion pass runs
+  before the cuBLAS GEMM rewriter and claims every e4m3 dot (alone, transposed, dequantized or not) as a Triton GEMM
+  fusion; only the autotuner on a GPU may hand one back to cuBLAS, so the program compiled here (compile-only, no
+  autotuning) and the one a GPU runs could differ. With the option the fp8 program is cuBLAS everywhere, on the GPU
+  as compiled here.
 * ``Precision.HIGHEST`` on the e4m3 dot: XLA turns on cuBLASLt's fp8 fast accumulation
   (``CUBLASLT_MATMUL_DESC_FAST_ACCUM``, partial sums not promoted to fp32) for a dot of DEFAULT precision;
   HIGHEST keeps fp32 accumulation, as ``torch._scaled_mm``'s default in torch_ref does. On the CPU the

@@ -52,12 +52,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgpt import ops
 from jaxgpt.config import PRESETS, GPTConfig
 from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
 from jaxgpt.fp8 import GEMM_SETS
@@ -216,9 +218,10 @@ def _matmul_weights_in_compute_dtype(graphdef, state):
     return jax.tree_util.tree_map_with_path(cast, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "n_new", "top_k", "use_cache"))
-def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, top_k: int | None,
-                       use_cache: bool):
+_STATIC = ("graphdef", "n_new", "top_k", "use_cache")
+
+
+def _generate_traced(graphdef, state, ctx, key, temperature, *, n_new: int, top_k: int | None, use_cache: bool):
     """Tokens (batch, T0 + n_new): ``ctx`` (batch, T0 <= block_size) followed by ``n_new`` new tokens."""
     _TRACES["cached" if use_cache else "uncached"] += 1  # runs only while tracing
     model = nnx.merge(graphdef, _matmul_weights_in_compute_dtype(graphdef, state))
@@ -277,6 +280,24 @@ def _generate_compiled(graphdef, state, ctx, key, temperature, *, n_new: int, to
     if n_cached < n_new:
         buf, logits = jax.lax.fori_loop(n_cached - 1, n_new - 1, recompute_step, (buf, logits))
     return put(buf, n_new - 1, sample(logits, n_new - 1))
+
+
+_generate_compiled = jax.jit(_generate_traced, static_argnames=_STATIC)  # XLA's default options
+
+
+@functools.lru_cache(maxsize=None)
+def _generate_with_options(options: tuple[tuple[str, Any], ...]):
+    return jax.jit(_generate_traced, static_argnames=_STATIC, compiler_options=dict(options))
+
+
+def _generate_program(graphdef):
+    """The jitted generation function for ``graphdef``'s model on the platform it is traced for: with the XLA
+    options the train and eval steps get (jaxgpt.step.platform_compiler_options: under precision fp8 on GPUs,
+    cuBLASLt fp8 GEMMs), else :data:`_generate_compiled`. The options change which kernels run, not the numbers."""
+    from jaxgpt.step import platform_compiler_options
+
+    options = platform_compiler_options(graphdef, ops.platform())
+    return _generate_with_options(tuple(sorted(options.items()))) if options else _generate_compiled
 
 
 # ---- the library entry points ---------------------------------------------------------------------------
@@ -353,7 +374,7 @@ def generate(
     args = (graphdef, state, jnp.asarray(ctx), jax.random.key(seed), jnp.float32(temperature))
     static = dict(n_new=int(max_new_tokens), top_k=None if top_k is None else int(top_k), use_cache=bool(use_cache))
     _check_memory(args, static, rows=len(ctx) // num_samples, num_samples=num_samples)
-    out = _generate_compiled(*args, **static)
+    out = _generate_program(graphdef)(*args, **static)
     new = np.asarray(out)[:, ctx.shape[1]:]
     return np.concatenate([prompt, new], axis=1)
 
@@ -371,8 +392,8 @@ def _check_memory(args: tuple, static: dict, *, rows: int, num_samples: int) -> 
 
     def measure(n: int) -> int:
         c = ctx if n == num_samples else jax.ShapeDtypeStruct((rows * n, ctx.shape[1]), ctx.dtype)
-        return memory_fit.program_bytes(_generate_compiled.lower(graphdef, state, c, key, temperature,
-                                                                 **static).compile())
+        return memory_fit.program_bytes(_generate_program(graphdef).lower(graphdef, state, c, key, temperature,
+                                                                          **static).compile())
 
     memory_fit.check_batch(f"generating {num_samples} sample(s) of {static['n_new']} tokens", measure(num_samples),
                            pool, num_samples, measure, option="num_samples (--num-samples)")

@@ -225,11 +225,16 @@ FSDP_REDUCE = ("micro_step", "step")
 
 def compiler_options(graphdef: nnx.GraphDef, mesh: Mesh) -> dict[str, Any] | None:
     """The XLA options the train and eval steps of ``graphdef``'s model are jitted with on ``mesh``'s devices (None:
-    XLA's defaults): a model with fp8 GEMMs gets :func:`jaxgpt.fp8.compiler_options` on GPUs (cuBLASLt fp8 GEMMs);
-    every other program is compiled as it always was. The policy is read from the graphdef (a static attribute of
-    every module), so training, ``jaxgpt.compile`` and the GPU benchmarks compile one program."""
+    XLA's defaults): :func:`platform_compiler_options` for the mesh's platform."""
+    return platform_compiler_options(graphdef, ops.devices_platform(mesh))
+
+
+def platform_compiler_options(graphdef: nnx.GraphDef, platform: str) -> dict[str, Any] | None:
+    """The XLA options a program of ``graphdef``'s model is jitted with on ``platform`` (None: XLA's defaults): a
+    model with fp8 GEMMs gets :func:`jaxgpt.fp8.compiler_options` on GPUs (cuBLASLt fp8 GEMMs); every other program is
+    compiled as it always was. The policy is read from the graphdef (a static attribute of every module), so
+    training, ``jaxgpt.compile``, the GPU benchmarks and generation (jaxgpt.generate) compile their programs alike."""
     gemms = {a.value.fp8 for _, a in graphdef.attributes if isinstance(getattr(a, "value", None), Policy)}
-    platform = ops.devices_platform(mesh)
     options: dict[str, Any] = {}
     for g in sorted(gemms):
         options.update(fp8.compiler_options(g, platform))
