@@ -23,7 +23,7 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import norm, ops
+from jaxgpt import fused_loss, norm, ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -350,7 +350,7 @@ class GPT(nnx.Module):
         h, _ = self.hidden(idx, dropout_key=dropout_key)
         with jax.named_scope("cross_entropy"):  # the lm_head matmul and the loss
             if self.policy.fast_kernels:  # same value, without materialising the fp32 logits twice
-                return ops.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
+                return fused_loss.lm_head_cross_entropy(h, self.wte.embedding[...], targets,
                                                  vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
                                                  logits_dtype=self.policy.logits_dtype,
                                                  precision=self.policy.lax_precision,
@@ -363,7 +363,7 @@ class GPT(nnx.Module):
         (largest-logit) token: what evaluation sums, averages and checks."""
         check_tokens(targets, self.config, name="targets")
         h, _ = self.hidden(idx)
-        return ops.token_cross_entropy(h, self.wte.embedding[...], targets, vocab_size=self.config.vocab_size,
+        return fused_loss.token_cross_entropy(h, self.wte.embedding[...], targets, vocab_size=self.config.vocab_size,
                                        logits_dtype=self.policy.logits_dtype,
                                        dtype=self.policy.dtype, precision=self.policy.lax_precision,
                                        fp8=self.policy.fp8_on("lm_head"))

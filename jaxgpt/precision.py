@@ -53,7 +53,7 @@ class Policy:
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
     # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
     gemm_output: Literal["float32", "bfloat16"] = "float32"
-    # the dtype the lm_head's logits are written in (jaxgpt.ops' fused loss: logits_dtype); the loss and its gradient
+    # the dtype the lm_head's logits are written in (jaxgpt.fused_loss: logits_dtype); the loss and its gradient
     # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float())
     logits_dtype: Literal["float32", "bfloat16"] = "float32"
     # which forward GEMMs take e4m3 operands (jaxgpt.fp8: per-tensor current scaling, fp32 accumulation, backward

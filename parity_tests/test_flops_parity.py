@@ -298,18 +298,18 @@ def test_xla_dots_equal_analytic_and_remainder_is_explained(name, what):
 
 def test_fused_cross_entropy_chunks(monkeypatch):
     """jaxgpt's default loss (Policy.fast_kernels) is a lax.scan over balanced row chunks of at most
-    ``ops.CE_CHUNK_ELEMENTS / Vp`` rows, the last chunk padded to the same size (padded rows cost real FLOPs,
+    ``fused_loss.CE_CHUNK_ELEMENTS / Vp`` rows, the last chunk padded to the same size (padded rows cost real FLOPs,
     fewer than one per chunk; none here: mini has 256 tokens, Vp = 50304, and a budget of 200 rows makes 2
     chunks of 128 rows), over the real vocabulary only; the default attention skips most of the masked upper
     triangle; and XLA's cost_analysis counts a while-loop body once, so it *under*-counts the loss."""
-    from jaxgpt import ops
+    from jaxgpt import fused_loss, ops
 
     name = "mini-padded"
     cfg, batch, seq = CONFIGS[name]
     M, C, Vp = batch * seq, cfg.n_embd, cfg.vocab_rows
-    monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS", 200 * Vp)
+    monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS", 200 * Vp)
     costs = xla_costs.__wrapped__(name, "step", compiled=False, fast_kernels=True)  # not the cached result
-    rows = ops._chunk_rows(M, Vp)
+    rows = fused_loss._chunk_rows(M, Vp)
     n_chunks = -(-M // rows)
     assert n_chunks == 2
     padded_rows = n_chunks * rows - M

@@ -455,15 +455,15 @@ def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
 def test_mirrored_kernel_constants_match_jaxgpt_ops():
     """The accountant stays jax-free, so it mirrors ops' chunk and block constants: they must agree, and its
     count of the keys the blocked attention computes must match ops.query_blocks."""
-    from jaxgpt import ops
+    from jaxgpt import fused_loss, ops
 
-    assert acc.CE_CHUNK_ELEMENTS == ops.CE_CHUNK_ELEMENTS
-    assert acc.CE_CHUNK_ELEMENTS_GPU == ops.CE_CHUNK_ELEMENTS_GPU
+    assert acc.CE_CHUNK_ELEMENTS == fused_loss.CE_CHUNK_ELEMENTS
+    assert acc.CE_CHUNK_ELEMENTS_GPU == fused_loss.CE_CHUNK_ELEMENTS_GPU
     for gpu in (False, True):  # the loss's chunk rows, e4m3 chunks rounded to 16 rows on GPUs
         with ops.traced_for([SimpleNamespace(platform="gpu" if gpu else "cpu")]):
             for n, v, fp8 in itertools.product((1, 17, 256, 1000, 2048, 16384, 65536), (65, 50257, 50304),
                                                (False, True)):
-                assert acc.loss_chunk_rows(n, v, gpu=gpu, fp8=fp8) == ops._chunk_rows(n, v, fp8=fp8), (n, v, gpu)
+                assert acc.loss_chunk_rows(n, v, gpu=gpu, fp8=fp8) == fused_loss._chunk_rows(n, v, fp8=fp8), (n, v, gpu)
     assert acc.ATTENTION_QUERY_BLOCKS == ops.ATTENTION_QUERY_BLOCKS
     for T in (1, 3, 37, 256, 1024):
         keys = sum((b - a) * b for a, b in ops.query_blocks(T)) / T

@@ -160,12 +160,12 @@ def test_hlo_errors_are_one_line_exit_2(args, message):
 ])
 def test_the_committed_out_of_sample_programs_are_what_jaxgpt_compiles(path, sets, micro_batch, monkeypatch):
     """The 2026-11-26 program: since then the default GPU loss puts a barrier behind its logits GEMM
-    (``jaxgpt.ops.LOGITS_BARRIER``; issue 32), which moves the padded-vocabulary mask out of the GEMM; switched off
-    here, the committed programs must come out kernel for kernel."""
-    from jaxgpt import ops
+    (``jaxgpt.fused_loss.LOGITS_BARRIER``; issue 32), which moves the padded-vocabulary mask out of the GEMM;
+    switched off here, the committed programs must come out kernel for kernel."""
+    from jaxgpt import fused_loss
     from jaxgpt.compile import targets
 
-    monkeypatch.setattr(ops, "LOGITS_BARRIER", False)
+    monkeypatch.setattr(fused_loss, "LOGITS_BARRIER", False)
     from jaxgpt.compile.cli import load_config
     from jaxgpt.compile.program import compile_train_step
 

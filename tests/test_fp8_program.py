@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgpt import fp8, ops, step
+from jaxgpt import fp8, fused_loss, ops, step
 from jaxgpt.model import GPT, MLP, GPTConfig
 from jaxgpt.precision import Policy
 
@@ -77,11 +77,11 @@ def test_fp8_logits_chunks_are_a_multiple_of_16_rows_on_gpus_only():
     a multiple of 16 rows (else XLA pads each chunk and slices its fp32 logits back: 8.6 ms per gpt2 b64 step
     predicted); the bf16 chunks and every CPU chunk are as they were."""
     with ops.traced_for([SimpleNamespace(platform="gpu")]):
-        bf16_rows, fp8_rows = ops._chunk_rows(65536, 50304), ops._chunk_rows(65536, 50304, fp8=True)
-        small = ops._chunk_rows(256, 50304, fp8=True)
+        bf16_rows, fp8_rows = fused_loss._chunk_rows(65536, 50304), fused_loss._chunk_rows(65536, 50304, fp8=True)
+        small = fused_loss._chunk_rows(256, 50304, fp8=True)
     assert bf16_rows == 5042 and fp8_rows == 5056 and small == 256
-    assert ops._chunk_rows(65536, 50304, fp8=True) == ops._chunk_rows(65536, 50304)  # CPU: unchanged
-    assert ops._chunk_rows(1000, 50304, fp8=True) == 1000
+    assert fused_loss._chunk_rows(65536, 50304, fp8=True) == fused_loss._chunk_rows(65536, 50304)  # CPU: unchanged
+    assert fused_loss._chunk_rows(1000, 50304, fp8=True) == 1000
 
 
 def test_generation_is_jitted_with_the_fp8_compiler_options():

@@ -1,4 +1,4 @@
-"""The fused lm_head cross-entropy's logits (jaxgpt.ops._head_logits): written once, in one dtype.
+"""The fused lm_head cross-entropy's logits (jaxgpt.fused_loss._head_logits): written once, in one dtype.
 
 * fp32 logits (the default): the GPU path's GEMM output goes through an optimization barrier straight into the
   two passes that read it (no epilogue the GPU would run as a pass of its own);
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import ops
+from jaxgpt import fused_loss, ops
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 U = 2.0**-9  # bf16's unit roundoff (round to nearest even, 8 significant bits)
@@ -47,8 +47,9 @@ def _plain_ce(h, w, t, logits_dtype):
 
 
 def _fused(h, w, t, logits_dtype, budget, gpu, monkeypatch):
-    monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS_GPU" if gpu else "CE_CHUNK_ELEMENTS", budget or ops.CE_CHUNK_ELEMENTS)
-    f = jax.jit(jax.value_and_grad(lambda h, w: ops.lm_head_cross_entropy(
+    monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_GPU" if gpu else "CE_CHUNK_ELEMENTS",
+                        budget or fused_loss.CE_CHUNK_ELEMENTS)
+    f = jax.jit(jax.value_and_grad(lambda h, w: fused_loss.lm_head_cross_entropy(
         h, w, t, vocab_size=V, dtype=BF16, logits_dtype=logits_dtype), argnums=(0, 1)))
     if gpu:
         with ops.traced_for(_gpus()):
@@ -67,7 +68,7 @@ def test_bf16_logits_are_the_plain_loss_of_the_rounded_logits(monkeypatch, budge
     """logits_dtype=bfloat16: loss, dh and dW of the plain log_softmax NLL of bf16-rounded logits (the padded
     vocabulary masked, padded rows of an uneven last chunk dropped)."""
     h, w, t = _inputs()
-    assert -(-B * T // ops._chunk_rows(B * T, VP, budget or ops.CE_CHUNK_ELEMENTS)) == n_chunks
+    assert -(-B * T // fused_loss._chunk_rows(B * T, VP, budget or fused_loss.CE_CHUNK_ELEMENTS)) == n_chunks
     lf, (dhf, dwf) = _fused(h, w, t, BF16, budget, gpu, monkeypatch)
     lp, (dhp, dwp) = jax.jit(jax.value_and_grad(lambda h, w: _plain_ce(h, w, t, BF16), argnums=(0, 1)))(h, w)
     assert abs(float(lf) - float(lp)) <= 1e-6 * abs(float(lp))  # the same bf16 logits, the rest in fp32
@@ -119,7 +120,7 @@ def test_bf16_logits_stay_within_the_rounding_bound_of_the_fp32_loss(monkeypatch
 def test_eval_losses_with_bf16_logits(dt):
     """token_cross_entropy takes the same option: per-token losses of the (rounded) logits, and the greedy flag."""
     h, w, t = _inputs()
-    losses, greedy = jax.jit(lambda h, w: ops.token_cross_entropy(h, w, t, vocab_size=V, dtype=BF16,
+    losses, greedy = jax.jit(lambda h, w: fused_loss.token_cross_entropy(h, w, t, vocab_size=V, dtype=BF16,
                                                                    logits_dtype=dt))(h, w)
     logits = _logits(h, w).astype(dt).astype(F32)
     want = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, t[..., None], -1)[..., 0]
@@ -145,7 +146,7 @@ def test_gpu_path_ends_the_logits_gemm_at_its_output(dt):
     XLA cannot fuse the padded-vocabulary mask or a convert into it as an epilogue (a cuBLAS GEMM has none: the
     2026-11-26 H100 step ran that mask as its own pass over the fp32 logits, 8.7 ms per b64 micro-step)."""
     h, w, t = _inputs()
-    f = jax.value_and_grad(lambda h, w: ops.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=BF16,
+    f = jax.value_and_grad(lambda h, w: fused_loss.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=BF16,
                                                                    logits_dtype=dt), argnums=(0, 1))
     with ops.traced_for(_gpus()):
         jaxpr = jax.make_jaxpr(f)(h, w)
@@ -161,4 +162,4 @@ def test_gpu_path_ends_the_logits_gemm_at_its_output(dt):
 def test_logits_dtype_is_checked():
     h, w, t = _inputs()
     with pytest.raises(ValueError, match="logits_dtype = 'float16'.*float32, bfloat16"):
-        ops.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=BF16, logits_dtype="float16")
+        fused_loss.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=BF16, logits_dtype="float16")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import ops
+from jaxgpt import fused_loss, ops
 from jaxgpt.model import reference_attention
 from jaxgpt.precision import Policy
 
@@ -56,9 +56,9 @@ def test_fused_cross_entropy_matches_plain(monkeypatch, budget, n_chunks, dtype,
     (batch 3 x seq 5 = 15 rows: 3 chunks of 5, or 4 chunks of 4 with one padded row). ``gpu_path``: the same
     on CPU as traced for GPUs (all padded rows kept and masked, max and sum of exp in one online pass)."""
     if budget is not None:
-        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS_GPU" if gpu_path else "CE_CHUNK_ELEMENTS", budget)
+        monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_GPU" if gpu_path else "CE_CHUNK_ELEMENTS", budget)
     if gpu_path:
-        monkeypatch.setattr(ops, "CE_CHUNK_ELEMENTS_GPU", budget or ops.CE_CHUNK_ELEMENTS)
+        monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_GPU", budget or fused_loss.CE_CHUNK_ELEMENTS)
         with ops.traced_for(_fake_gpus()):
             _check_fused_ce(n_chunks, dtype)
         return
@@ -67,14 +67,14 @@ def test_fused_cross_entropy_matches_plain(monkeypatch, budget, n_chunks, dtype,
 
 def _check_fused_ce(n_chunks, dtype):
     B, T, C, Vp, V = 3, 5, 16, 72, 67
-    assert -(-B * T // ops._chunk_rows(B * T, Vp)) == n_chunks
+    assert -(-B * T // fused_loss._chunk_rows(B * T, Vp)) == n_chunks
     h, w = _rand(0, (B, T, C)), _rand(1, (Vp, C), 0.5)
     w = w.at[V:].set(_rand(2, (Vp - V, C), 3.0))  # large padded rows: any leak into the softmax would show
     t = jax.random.randint(jax.random.PRNGKey(3), (B, T), 0, V)
     dt = jnp.dtype(dtype)
     prec = HIGHEST if dtype == "float32" else None
     fused = jax.jit(jax.value_and_grad(
-        lambda h, w: ops.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=dt, precision=prec), argnums=(0, 1)))
+        lambda h, w: fused_loss.lm_head_cross_entropy(h, w, t, vocab_size=V, dtype=dt, precision=prec), argnums=(0, 1)))
     plain = jax.jit(jax.value_and_grad(lambda h, w: _plain_ce(h, w, t, V, dt, prec), argnums=(0, 1)))
     (lf, (dhf, dwf)), (lp, (dhp, dwp)) = fused(h, w), plain(h, w)
     tol = 2e-6 if dtype == "float32" else 2e-2  # bf16: dlogits are rounded to bf16 before the two matmuls
@@ -86,7 +86,7 @@ def _check_fused_ce(n_chunks, dtype):
 def test_fused_cross_entropy_gradient_scales_with_the_cotangent():
     h, w = _rand(0, (2, 4, 8)), _rand(1, (16, 8))
     t = jnp.zeros((2, 4), jnp.int32)
-    f = lambda h: ops.lm_head_cross_entropy(h, w, t, vocab_size=16, dtype=F32, precision=HIGHEST)  # noqa: E731
+    f = lambda h: fused_loss.lm_head_cross_entropy(h, w, t, vocab_size=16, dtype=F32, precision=HIGHEST)  # noqa: E731
     g1 = jax.grad(f)(h)
     g3 = jax.grad(lambda h: 3.0 * f(h))(h)
     np.testing.assert_allclose(np.asarray(g3), 3.0 * np.asarray(g1), rtol=1e-6)
@@ -248,7 +248,7 @@ def test_online_max_and_sum_exp_against_float64():
     x = np.array(_rand(7, (9, 300), 20.0))
     x[:, 250:] = -np.inf  # padded vocabulary columns
     x[0, :250] = np.linspace(-80.0, 80.0, 250)
-    m, s = jax.jit(ops._max_and_sum_exp)(jnp.asarray(x))
+    m, s = jax.jit(fused_loss._max_and_sum_exp)(jnp.asarray(x))
     x64 = x.astype(np.float64)
     m64 = x64.max(axis=1, keepdims=True)
     s64 = np.exp(x64 - m64).sum(axis=1, keepdims=True)

@@ -1,6 +1,6 @@
 """``python -m benchmarks.gpu.predict_loss --logits-dtype bfloat16 -- JAXGPT_COMPILE_ARGS...``: the calibrated
 prediction of a train step whose fused lm_head cross-entropy writes its logits in ``--logits-dtype``, before a
-precision policy selects it: ``python -m jaxgpt.compile`` with :func:`jaxgpt.ops.lm_head_cross_entropy`'s
+precision policy selects it: ``python -m jaxgpt.compile`` with :func:`jaxgpt.fused_loss.lm_head_cross_entropy`'s
 ``logits_dtype`` default replaced (compile-only; nothing runs). With ``--logits-dtype float32`` it is exactly
 ``python -m jaxgpt.compile``."""
 
@@ -18,8 +18,9 @@ if __name__ == "__main__":
     args = p.parse_args()
     rest = args.compile_args[1:] if args.compile_args[:1] == ["--"] else args.compile_args
 
-    from jaxgpt import ops
+    from jaxgpt import fused_loss
     from jaxgpt.compile import cli
 
-    ops.lm_head_cross_entropy = functools.partial(ops.lm_head_cross_entropy, logits_dtype=args.logits_dtype)
+    fused_loss.lm_head_cross_entropy = functools.partial(fused_loss.lm_head_cross_entropy,
+                                                         logits_dtype=args.logits_dtype)
     sys.exit(cli.main(rest))

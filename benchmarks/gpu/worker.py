@@ -101,9 +101,9 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
 
     device = jax.devices()[0]
     if spec.get("ce_chunk_elements"):  # the A/B of the fused loss's chunk size (read when the step is traced)
-        from jaxgpt import ops
+        from jaxgpt import fused_loss
 
-        ops.CE_CHUNK_ELEMENTS_GPU = int(spec["ce_chunk_elements"])  # what the GPU program's chunks read
+        fused_loss.CE_CHUNK_ELEMENTS_GPU = int(spec["ce_chunk_elements"])  # what the GPU program's chunks read
     policy = Policy.named(precision, **spec.get("policy", {}))
     step, holder, sources = impl.jax_fixed_batch_step(cfg, policy, init, x, y)
 

@@ -181,8 +181,8 @@ class MemoryEstimate:
 
 
 def loss_chunk_rows(n_rows: int, vocab_rows: int, *, gpu: bool, fp8: bool = False) -> int:
-    """Rows per chunk of jaxgpt's fused lm_head + cross-entropy, as ``jaxgpt.ops._chunk_rows`` picks them (mirrored:
-    the accountant stays jax-free; tests/test_account.py checks they agree): one chunk's fp32 logits near
+    """Rows per chunk of jaxgpt's fused lm_head + cross-entropy, as ``jaxgpt.fused_loss._chunk_rows`` picks them
+    (mirrored: the accountant stays jax-free; tests/test_account.py checks they agree): one chunk's fp32 logits near
     CE_CHUNK_ELEMENTS (the CPU) or CE_CHUNK_ELEMENTS_GPU elements, balanced chunks, and on GPUs the e4m3 logits
     GEMM's (``fp8``) rounded up to a multiple of 16 rows (cuBLASLt's fp8 GEMM)."""
     budget = CE_CHUNK_ELEMENTS_GPU if gpu else CE_CHUNK_ELEMENTS
@@ -260,7 +260,7 @@ def estimate_fp8(config: GPTConfig, *, tokens: int, fp8_gemms: str, gpu: bool = 
     if "lm_head" in gemms:
         rows, bf16_rows = (loss_chunk_rows(M, Vp, gpu=gpu, fp8=f) for f in (True, False))
         padded, bf16_padded = (-(-M // r) * r for r in (rows, bf16_rows))
-        head = padded * C + Vp * C  # h padded to whole chunks (jaxgpt.ops), the head
+        head = padded * C + Vp * C  # h padded to whole chunks (jaxgpt.fused_loss), the head
         extra_rows, extra_padded = rows - bf16_rows, padded - bf16_padded
         growth = extra_rows * ((4 + cd) * Vp + cd * C + 3 * 4) + extra_padded * (cd * C + 4 + 1)
     layer = max([M * 4 * C + 4 * C * C] * ("mlp" in gemms) + [M * C + 3 * C * C] * ("attn" in gemms), default=0)

@@ -272,7 +272,7 @@ def _ending_losses(graphdef, state, ctx, ctx_len, end, end_len):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxgpt import ops
+    from jaxgpt import fused_loss
     from jaxgpt.model import KVCache
 
     model = nnx.merge(graphdef, state)
@@ -287,7 +287,7 @@ def _ending_losses(graphdef, state, ctx, ctx_len, end, end_len):
 
     h_end = jax.vmap(endings)(cache.k.swapaxes(0, 1), cache.v.swapaxes(0, 1), end, ctx_len)  # (n, 4, le, C)
     h = jnp.concatenate([jnp.broadcast_to(last[:, None], (n, N_ENDINGS, 1, last.shape[-1])), h_end[:, :, :-1]], 2)
-    losses, _ = ops.token_cross_entropy(h.reshape(n * N_ENDINGS, le, -1), model.wte.embedding[...],
+    losses, _ = fused_loss.token_cross_entropy(h.reshape(n * N_ENDINGS, le, -1), model.wte.embedding[...],
                                         end.reshape(n * N_ENDINGS, le), vocab_size=model.config.vocab_size,
                                         dtype=model.policy.dtype, precision=model.policy.lax_precision)
     valid = jnp.arange(le) < end_len[..., None]  # (n, 4, le)

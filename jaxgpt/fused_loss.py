@@ -1,0 +1,291 @@
+"""The fused lm_head + cross-entropy (``Policy.fast_kernels``): ``mean(logsumexp(h W^T) - (h W^T)[target])`` over
+the real vocabulary, computed in row chunks with its gradient formed in the same pass, so the (tokens x 50,304)
+fp32 logits are never materialised whole, and never twice.
+
+:func:`lm_head_cross_entropy` is what the model's loss calls; :func:`token_cross_entropy` gives each position's
+loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
+memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
+logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
+operands (:mod:`jaxgpt.fp8`). ``tests/test_ops.py`` and ``tests/test_loss_logits.py`` check it against the plain
+expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Bool, Float, Int
+
+from jaxgpt import fp8 as f8
+from jaxgpt import ops
+
+CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
+# on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
+# vocabulary), and there is no cache to stay inside; see _chunk_rows
+CE_CHUNK_ELEMENTS_GPU = 1 << 28
+
+
+def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8: bool = False) -> int:
+    """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (256 MiB): at GPT-2's vocabulary
+    at most 1,334 rows, so 2 chunks of 1,024 rows for 2,048 tokens and one chunk for 1,024. Measured on 2-core
+    CPUs: 158-row chunks were 25% slower than 512 (the dW dot's contraction gets short); at gpt2's 1,024 tokens
+    x C=768 one 1,024-row chunk took 1.53-1.56 s against 1.62-1.65 s for two of 512 and 1.68 s for four of 256;
+    at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
+    chunk slower (1.25-1.31 s: more memory traffic per pass)."""
+    if budget is None:
+        budget = CE_CHUNK_ELEMENTS if ops.platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
+    rows = max(1, min(n_rows, budget // vocab_rows))
+    n_chunks = math.ceil(n_rows / rows)
+    rows = math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
+    if fp8 and ops.platform() != "cpu":
+        # e4m3 logits GEMM: cuBLASLt's fp8 GEMM takes dimensions divisible by 16; XLA pads a chunk of other rows
+        # and slices its (rows, vocab) fp32 result back, a pass over each chunk's logits (2 GB at gpt2 b64)
+        rows = -(-rows // 16) * 16
+    return rows
+
+
+_NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
+
+
+def _head_rows(w, vocab_size: int, dtype):
+    """The lm_head rows a chunk multiplies by, and what then masks its logits.
+
+    On CPU only the real vocabulary's rows: padded columns then need no -inf mask, a whole pass over the (rows, V)
+    logits that measured ~7 ms per 512 rows (~30 ms of a `small` step). On GPUs every padded row (50,304 for
+    GPT-2: what ``padded_vocab_size`` is for): slicing 50,257 rows out made XLA:GPU pad each chunk's operands back
+    to an aligned width and rewrite the fp32 dW accumulator through a slice (the compiled H100 step's largest
+    copies, ``BENCHMARKS.md``), while the mask fuses into the max/sum reductions and the softmax-gradient pass that
+    read the logits anyway. Masked columns get exp(-inf) = 0, so their softmax, gradient and dW are exactly 0."""
+    if ops.platform() == "cpu" or w.shape[0] == vocab_size:
+        return w.astype(dtype)[:vocab_size], lambda logits: logits
+    real = jnp.arange(w.shape[0]) < vocab_size
+    return w.astype(dtype), lambda logits: jnp.where(real, logits, -jnp.inf)
+
+
+def _max_and_sum_exp(logits: Float[Array, "rows vocab"]) -> tuple[Float[Array, "rows 1"], Float[Array, "rows 1"]]:
+    """(max, sum(exp(logits - max))) of each row in one pass: a reduction over (value, 1) pairs that rescales the
+    running sum whenever the running max grows (the online softmax of flash attention). On GPUs the two separate
+    reductions each read the chunk's fp32 logits from memory (3.3 GB per pass at gpt2's b16 micro-step)."""
+
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        m = jnp.maximum(ma, mb)
+        # an all -inf side (masked padded columns) adds nothing; exp(-inf - -inf) would be NaN
+        sa = jnp.where(ma == -jnp.inf, 0.0, sa * jnp.exp(ma - m))
+        sb = jnp.where(mb == -jnp.inf, 0.0, sb * jnp.exp(mb - m))
+        return m, sa + sb
+
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0.0, logits.dtype))
+    m, s = lax.reduce((logits, jnp.ones_like(logits)), init, combine, (1,))
+    return m[:, None], s[:, None]
+
+
+LOGITS_DTYPES = ("float32", "bfloat16")  # what the fused loss's logits GEMM may write (_head_logits)
+# GPUs: end the logits GEMM's fusion at its output (_head_logits); False compiles the 2026-11-26 program
+LOGITS_BARRIER = True
+
+
+def _logits_dtype(name) -> jnp.dtype:
+    dt = jnp.dtype(name)
+    if dt.name not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype = {dt.name!r}: the lm_head's logits are written as one of "
+                         f"{', '.join(LOGITS_DTYPES)}")
+    return dt
+
+
+def _head_logits(a, b, precision, logits_dtype, mask_padded
+                 ) -> tuple[Float[Array, "rows vocab"], Float[Array, "rows vocab"]]:
+    """A chunk's logits ``a @ b^T`` as the GEMM wrote them, and as the loss reads them: fp32 values, padded columns
+    masked to -inf. The targets' logits are gathered from the first (a target is never a padded column): a gather
+    behind the convert and the mask would be a fusion that takes the whole chunk as its operand.
+
+    The GEMM accumulates in fp32 and writes its result once, in ``logits_dtype``: fp32 (exact, the default) or bf16
+    (torch.autocast's and llm.c's numerics: the lse and softmax are then computed in fp32 from the bf16 values, half
+    the bytes for every pass over them). On GPUs an optimization barrier ends the GEMM's fusion at its output, so
+    that nothing is fused into it as an epilogue: the -inf mask (and a bf16 -> fp32 convert) then fuse into the two
+    passes that read the logits anyway. Without it XLA fused the mask into the Triton GEMM, and the GPU, whose
+    autotuner picks cuBLAS for this GEMM, ran it as a pass of its own that read and rewrote the chunk's fp32 logits
+    (8.7 ms per b64 micro-step on the H100, 2026-11-26). On CPU the fp32 result is rounded to ``logits_dtype``."""
+    if ops.platform() == "cpu":
+        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32).astype(logits_dtype)
+    else:
+        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=logits_dtype)
+        if not LOGITS_BARRIER:  # the 2026-11-26 program: the mask fused into the GEMM, the targets gathered behind it
+            logits = mask_padded(raw.astype(jnp.float32))
+            return logits, logits
+        raw = lax.optimization_barrier(raw)
+    return raw, mask_padded(raw.astype(jnp.float32))
+
+
+def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
+    """(extra scan inputs, operands(h_i, *extra_i), the logits' scale) of the logits GEMM. Without ``fp8``: ((),
+    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales
+    of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales (a
+    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.fp8)."""
+    if not fp8:
+        return (), lambda h_i: (h_i, w_c), None
+    hq, h_scale = f8.quantize(h.astype(dtype))
+    wq, w_scale = f8.quantize(w_c)
+    hq = jnp.pad(hq, ((0, pad), (0, 0))).reshape(chunks_shape)
+    return (hq,), lambda _, hq_i: (hq_i, wq), h_scale * w_scale
+
+
+def _head_precision(precision, fp8: bool):
+    """The logits GEMM's precision: HIGHEST for e4m3 operands (fp32 accumulation: no cuBLASLt fp8 fast
+    accumulation, see jaxgpt.fp8.e4m3_dot), the policy's otherwise."""
+    return lax.Precision.HIGHEST if fp8 else precision
+
+
+def _scaled(scale, raw, logits):
+    """(raw, logits) times the e4m3 operands' power-of-two scale (exact); as they are without one."""
+    if scale is None:
+        return raw, logits
+    return raw * scale.astype(raw.dtype), logits * scale
+
+
+def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, logits_dtype=jnp.float32):
+    """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,).
+    ``fp8``: the logits GEMM in e4m3 (:func:`_e4m3_head`), the backward GEMMs in ``dtype`` as without it.
+    ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`)."""
+    M, C = h.shape
+    V = w.shape[0]
+    rows = _chunk_rows(M, V, fp8=fp8)
+    n_chunks = math.ceil(M / rows)
+    pad = n_chunks * rows - M
+    hp = jnp.pad(h.astype(dtype), ((0, pad), (0, 0)))
+    tp = jnp.pad(targets, (0, pad))
+    valid_row = (jnp.arange(n_chunks * rows) < M).reshape(n_chunks, rows)
+    hc = hp.reshape(n_chunks, rows, C)
+    tc = tp.reshape(n_chunks, rows)
+    w_c, mask_padded = _head_rows(w, vocab_size, dtype)
+    e4m3_xs, logits_operands, logits_scale = _e4m3_head(h, w_c, pad, hc.shape, dtype, fp8)
+    Vc = w_c.shape[0]
+    online = ops.platform() != "cpu"  # GPUs: max and sum of exp in one pass over the fp32 logits (_max_and_sum_exp)
+
+    def chunk(carry, inp):
+        dw_t = carry
+        h_i, t_i, ok, *hq_i = inp
+        # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
+        # operands get upcast), and a materialised W^T copy measured slower.
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
+                                                          _head_precision(precision, fp8), logits_dtype, mask_padded))
+        # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
+        # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
+        if online:
+            m, s = _max_and_sum_exp(logits)
+            e = jnp.exp(logits - m)  # recomputed inside the gradient's pass, not stored
+        else:
+            m = jnp.max(logits, axis=-1, keepdims=True)
+            e = jnp.exp(logits - m)
+            s = jnp.sum(e, axis=-1, keepdims=True)
+        lse = (m + jnp.log(s))[:, 0]
+        tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
+        loss_sum = jnp.sum(jnp.where(ok, lse - tgt, 0.0))
+        if not with_grad:
+            return dw_t, (loss_sum, jnp.zeros((0,), jnp.float32))
+        # d(lse - tgt)/dlogits = softmax - onehot, zero on padded rows,
+        # of the *mean*: the 1/M folds into this pass instead of two more passes over dh and dW
+        dlogits = (e * (1.0 / s) - jax.nn.one_hot(t_i, Vc, dtype=jnp.float32)) * (1.0 / M)
+        dlogits = jnp.where(ok[:, None], dlogits, 0.0).astype(dtype)
+        dh_i = ops._dot(dlogits, w_c, dtype, precision)  # (rows, V) @ (V, C)
+        # (C, rows) @ (rows, V), added in place into the real columns; the padded columns' dW stays 0. A real
+        # copy of h_i^T in fp32 too: the transposed-operand dot measured ~10% slower at this short contraction
+        dw_i = ops._dot(ops.materialize_transpose(h_i), dlogits, dtype, precision)
+        dw_t = dw_t + dw_i if Vc == V else lax.dynamic_update_slice(dw_t, dw_t[:, :Vc] + dw_i, (0, 0))
+        return dw_t, (loss_sum, dh_i)
+
+    dw_t0 = jnp.zeros((C, V) if with_grad else (0,), jnp.float32)
+    dw_t, (loss_sums, dh) = lax.scan(chunk, dw_t0, (hc, tc, valid_row, *e4m3_xs))
+    loss_sum = jnp.sum(loss_sums)
+    if not with_grad:
+        return loss_sum
+    # the barrier keeps XLA from folding this transpose into the dW dot (with one chunk the scan is inlined,
+    # and a bf16 dot with a transposed operand then has no CPU kernel at all)
+    dw = lax.optimization_barrier(dw_t).T if ops.platform() == "cpu" else dw_t.T
+    return loss_sum, dh.reshape(-1, C)[:M], dw
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _fused_ce(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
+    return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False, fp8=fp8,
+                    logits_dtype=logits_dtype) / h.shape[0]
+
+
+def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
+    with jax.named_scope("cross_entropy"):  # custom_vjp's forward is traced outside the caller's scopes
+        loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True, fp8=fp8,
+                                    logits_dtype=logits_dtype)
+    return loss_sum / h.shape[0], (dh, dw, targets)
+
+
+def _fused_ce_bwd(vocab_size, dtype, precision, fp8, logits_dtype, res, g):
+    dh, dw, targets = res
+    with jax.named_scope("cross_entropy"):
+        return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
+
+
+_fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
+
+
+def lm_head_cross_entropy(
+    h: Float[Array, "batch seq embed"],
+    w: Float[Array, "vocab_rows embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    vocab_size: int,
+    dtype,
+    precision=None,
+    fp8: bool = False,
+    logits_dtype=jnp.float32,
+) -> Float[Array, ""]:
+    """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
+    columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
+    GEMM with e4m3 operands (jaxgpt.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
+    writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
+    from the rounded logits; :func:`_head_logits`)."""
+    C = h.shape[-1]
+    return _fused_ce(h.reshape(-1, C).astype(jnp.float32), w, targets.reshape(-1), vocab_size,
+                     jnp.dtype(dtype), precision, fp8, _logits_dtype(logits_dtype))
+
+
+def token_cross_entropy(
+    h: Float[Array, "batch seq embed"],
+    w: Float[Array, "vocab_rows embed"],
+    targets: Int[Array, "batch seq"],
+    *,
+    vocab_size: int,
+    dtype,
+    precision=None,
+    fp8: bool = False,
+    logits_dtype=jnp.float32,
+) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    """Each token's cross-entropy ``logsumexp(logits) - logits[target]`` of the tied lm_head ``logits = h @ w^T``
+    over the first ``vocab_size`` columns, in fp32, and whether the target has the largest logit (greedy decoding
+    would pick it): what evaluation scores with, without the gradient. Chunked like
+    :func:`lm_head_cross_entropy`, so the (tokens, vocab) fp32 logits never exist whole; ``logits_dtype`` as
+    there."""
+    B, T, C = h.shape
+    logits_dtype = _logits_dtype(logits_dtype)
+    M = B * T
+    rows = _chunk_rows(M, w.shape[0], fp8=fp8)
+    n_chunks = math.ceil(M / rows)
+    pad = n_chunks * rows - M
+    hc = jnp.pad(h.reshape(M, C).astype(dtype), ((0, pad), (0, 0))).reshape(n_chunks, rows, C)
+    tc = jnp.pad(targets.reshape(M), (0, pad)).reshape(n_chunks, rows)
+    w_c, mask_padded = _head_rows(w, vocab_size, dtype)
+    e4m3_xs, logits_operands, logits_scale = _e4m3_head(h.reshape(M, C), w_c, pad, hc.shape, dtype, fp8)
+
+    def chunk(inp):
+        h_i, t_i, *hq_i = inp
+        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
+                                                          _head_precision(precision, fp8), logits_dtype, mask_padded))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(raw, t_i[:, None], axis=-1)[:, 0].astype(jnp.float32)
+        return lse - tgt, tgt >= jnp.max(logits, axis=-1)
+
+    losses, greedy = lax.map(chunk, (hc, tc, *e4m3_xs))
+    return losses.reshape(-1)[:M].reshape(B, T), greedy.reshape(-1)[:M].reshape(B, T)
