@@ -107,3 +107,45 @@ def test_generation_is_jitted_with_the_fp8_compiler_options():
                                   np.asarray(gen._generate_compiled(*args, **static)))
     out = gen.generate(fp8_model, [1, 2, 3], max_new_tokens=6, temperature=0.8, seed=0)
     assert out.shape == (1, 9)
+
+
+def test_eval_programs_are_jitted_with_the_fp8_compiler_options(monkeypatch):
+    """python -m jaxgpt.eval's programs (val_loss, hellaswag, the lm-eval harness's scoring, prefill and decode) are
+    jitted with the options the train step and jaxgpt.generate get: the Triton GEMM emitter off for an fp8 model
+    traced for a GPU, XLA's defaults (None) for a bf16 model and on the CPU. On the CPU the options change no
+    number: the fp8 model's val-loss program gives the same losses with and without them."""
+    from jaxgpt.eval import harness, hellaswag, val_loss
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    fp8_model = GPT(cfg, policy=Policy.named("fp8", fp8_gemms="all"), rngs=nnx.Rngs(0))
+    bf16_model = GPT(cfg, policy=Policy.named("bf16"), rngs=nnx.Rngs(0))
+    seen = []
+    real_jit = jax.jit
+
+    def spy(fun, **kwargs):
+        seen.append(kwargs.get("compiler_options"))
+        return real_jit(fun, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", spy)
+
+    def options(model):
+        seen.clear()
+        graphdef = nnx.split(model)[0]
+        val_loss.loss_sum_program(graphdef)
+        hellaswag.Scorer(model)
+        harness.programs(graphdef, harness.collections.Counter())
+        assert len(seen) == 5, seen
+        return set(map(str, seen))
+
+    with ops.traced_for([SimpleNamespace(platform="gpu")]):
+        assert options(fp8_model) == {str(GPU_OPTIONS)}
+        assert options(bf16_model) == {"None"}
+    assert options(fp8_model) == {"None"}  # this process's CPU
+    monkeypatch.undo()
+    graphdef, state = nnx.split(fp8_model)
+    x = jnp.asarray(np.arange(32).reshape(2, 16) % 64, jnp.int32)
+    y = jnp.roll(x, -1, axis=1)
+    with ops.traced_for([SimpleNamespace(platform="gpu")]):
+        with_options = val_loss.loss_sum_program(graphdef)
+    np.testing.assert_array_equal(np.asarray(with_options(state, x, y)),
+                                  np.asarray(val_loss.loss_sum_program(graphdef)(state, x, y)))

@@ -1,8 +1,22 @@
-"""What the evaluations share: the error type and loading a model the way ``jaxgpt.generate`` does."""
+"""What the evaluations share: the error type, loading a model the way ``jaxgpt.generate`` does and jitting its
+programs with the compiler options the train step gets."""
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def jit_model_program(graphdef: Any, fun: Any, **jit_kwargs: Any) -> Any:
+    """``jax.jit(fun, **jit_kwargs)`` with the XLA options the train step and jaxgpt.generate compile
+    ``graphdef``'s model with on the platform traced for now (:func:`jaxgpt.step.platform_compiler_options`: under
+    precision fp8 on GPUs, cuBLASLt fp8 GEMMs instead of Triton ones; None, XLA's defaults, for every other model and
+    on the CPU). The options change which kernels run, not the numbers."""
+    import jax
+
+    from jaxgpt import ops
+    from jaxgpt.step import platform_compiler_options
+
+    return jax.jit(fun, compiler_options=platform_compiler_options(graphdef, ops.platform()), **jit_kwargs)
 
 
 class EvalError(ValueError):

@@ -61,7 +61,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("jaxgpt.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]'") from e
 
-from jaxgpt.eval.common import EvalError, load_model
+from jaxgpt.eval.common import EvalError, jit_model_program, load_model
 
 PAD_TO = 64  # log-likelihood batches: padded lengths are multiples of this
 GEN_MIN_WIDTH = 16  # generation: contexts padded to a power of two >= this
@@ -120,7 +120,6 @@ class JaxGPTLM(TemplateLM):
                  step: int | str | None = None, max_gen_toks: int | str = 256, seed: int | str = 0,
                  **kwargs: Any):
         super().__init__()
-        import jax
         from flax import nnx
 
         unknown = sorted(k for k in kwargs if k not in KNOWN_ARGS)
@@ -140,9 +139,7 @@ class JaxGPTLM(TemplateLM):
         self.traces: collections.Counter = collections.Counter()  # jitted function -> times traced
         self.gen_steps: list[tuple[int, int]] = []  # the last generate_until's batches: (tokens decoded, max_gen_toks)
         graphdef, self.state = nnx.split(self.model)
-        self._scores = jax.jit(functools.partial(_token_scores, graphdef, self.traces))
-        self._prefill = jax.jit(functools.partial(_prefill, graphdef, self.traces), static_argnames="cache_len")
-        self._decode = jax.jit(functools.partial(_decode, graphdef, self.traces), static_argnames="greedy")
+        self._scores, self._prefill, self._decode = programs(graphdef, self.traces)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None):
@@ -319,6 +316,14 @@ class StopRule:
 
 
 # ---- the compiled functions ------------------------------------------------------------------------------------
+def programs(graphdef: Any, traces: collections.Counter) -> tuple[Callable, Callable, Callable]:
+    """The jitted scoring, prefill and decode functions of ``graphdef``'s model, with its platform's compiler options
+    (:func:`jaxgpt.eval.common.jit_model_program`: cuBLASLt fp8 GEMMs for an fp8 model on a GPU)."""
+    return (jit_model_program(graphdef, functools.partial(_token_scores, graphdef, traces)),
+            jit_model_program(graphdef, functools.partial(_prefill, graphdef, traces), static_argnames="cache_len"),
+            jit_model_program(graphdef, functools.partial(_decode, graphdef, traces), static_argnames="greedy"))
+
+
 def _token_scores(graphdef, traces, state, tokens):
     from flax import nnx
 

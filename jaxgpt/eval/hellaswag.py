@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int32
 
-from jaxgpt.eval.common import EvalError
+from jaxgpt.eval.common import EvalError, jit_model_program
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_{split}.jsonl"
 CTX_BUCKET, END_BUCKET = 32, 16  # padded context / ending lengths are multiples of these
@@ -198,14 +198,13 @@ class Scorer:
     needed (compiled functions are reused as long as the model's structure and the buckets are the same)."""
 
     def __init__(self, model: Any, *, batch_size: int = 8):
-        import jax
         from flax import nnx
 
         if batch_size < 1:
             raise EvalError(f"batch_size = {batch_size}: must be >= 1")
         self.batch_size, self.config = batch_size, model.config
         self.graphdef, self.state = nnx.split(model)
-        self._fn = jax.jit(functools.partial(_ending_losses, self.graphdef))
+        self._fn = jit_model_program(self.graphdef, functools.partial(_ending_losses, self.graphdef))
 
     def check_memory(self, items: Sequence[Item]) -> None:
         """On a GPU: the scoring program at the widest of ``items``' padded shapes against JAX's memory pool; one

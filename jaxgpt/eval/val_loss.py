@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgpt.eval.common import EvalError
+from jaxgpt.eval.common import EvalError, jit_model_program
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,7 +40,6 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
              ) -> dict[str, Any]:
     """``loss``, ``perplexity``, ``bits_per_byte``, ``tokens``, ``bytes``, ``batches`` of ``model`` on ``data``.
     ``tokenizer``: the record of the model's tokenizer (None: GPT-2's); shards of another are refused."""
-    import jax
     from flax import nnx
     from tqdm.auto import tqdm
 
@@ -56,12 +55,7 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
     loader = DataLoader(data, split, batch_size, seq_len, mode="sequential", vocab_size=model.config.vocab_size)
     n = loader.batches_per_epoch if limit is None else min(limit, loader.batches_per_epoch)
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def loss_sum(state, x, y):
-        losses, _ = nnx.merge(graphdef, state).token_losses(x, y)
-        return losses.sum()
-
+    loss_sum = loss_sum_program(graphdef)
     _check_memory(loss_sum, state, batch_size, seq_len)
     lens = char_byte_lengths(tokenizer) if (tokenizer or {}).get("name") == "char" else byte_lengths()
     total, tokens, nbytes = 0.0, 0, 0
@@ -78,6 +72,18 @@ def evaluate(model: Any, data: str | Path, *, split: str = "val", batch_size: in
     return {"split": split, "loss": loss, "perplexity": math.exp(loss), "bits_per_byte": total / math.log(2) / nbytes,
             "tokens": tokens, "bytes": nbytes, "batches": n, "batch_size": batch_size, "seq_len": seq_len,
             "seconds": time.perf_counter() - t0}
+
+
+def loss_sum_program(graphdef: Any) -> Any:
+    """``loss_sum(state, x, y)``: the summed next-token losses of ``graphdef``'s model, jitted with its platform's
+    compiler options (:func:`jaxgpt.eval.common.jit_model_program`)."""
+    from flax import nnx
+
+    def loss_sum(state, x, y):
+        losses, _ = nnx.merge(graphdef, state).token_losses(x, y)
+        return losses.sum()
+
+    return jit_model_program(graphdef, loss_sum)
 
 
 def _check_memory(loss_sum: Any, state: Any, batch_size: int, seq_len: int) -> None:
