@@ -207,3 +207,60 @@ FP8_TRAIN_FACTOR = 2.0
 # fp8 - bf16 logits, as for bf16 against fp32 (BF16_TOP1_DECIDED).
 FP8_KL_FACTOR = 2 * (E4M3_UNIT_ROUNDOFF / BF16_UNIT_ROUNDOFF) ** 2
 FP8_MEAN_KL_MAX = 5e-2  # nats: a next-token distribution visibly changed by e4m3 rounding fails whatever bf16 did
+#
+# The named precision: fp8 policy (bf16 elsewhere) against torch_ref's fp8 under CPU autocast, directly. Outside the
+# e4m3 GEMMs the two frameworks round differently (jaxgpt's bf16 policy keeps fp32 GEMM outputs, autocast rounds
+# them to bf16), so their quantization inputs differ by up to one bf16 ulp (2^-7 relative to the binade), not by
+# fp32 roundoff; measured as the RMS of bf16-policy minus plain-autocast logits (same model, tokens), which the bound
+# contains. Such a difference moves an element across an e4m3 rounding midpoint (midpoints one e4m3 ulp, 2^-3,
+# apart) with probability at most 2^-7 / 2^-3 = 2^-4 even if every input differs; with flips at rate p the
+# difference has RMS sqrt(12 p) x fp8's own rounding error (the reasoning of FP8_FLIP_RATIO above), so
+# FP8_BF16_FLIP_RATIO = sqrt(12 x 2^-4) = 0.87 x the RMS of fp8 - bf16 logits (jaxgpt's), on top of the bf16
+# difference. No factor 2 here: p = 2^-4 is already the every-input-differs worst case. Two independent e4m3
+# roundings (a torch_ref rounding another way: truncation, stochastic, e5m2) would sit ~sqrt(2) = 1.41 x fp8's error
+# apart, over the bound. Measured (tiny, odd x init, peaked; 2-core AVX2-only AMD EPYC): logits RMS 4.5e-3, 7.3e-3,
+# 3.2e-3, 5.5e-3 against bounds 7.5e-3, 1.8e-2, 5.9e-3, 1.5e-2 (the bf16 difference 5.6e-4, 1.2e-3, 4.2e-4, 1.0e-3;
+# fp8 vs bf16 8.0e-3, 1.9e-2, 6.3e-3, 1.6e-2): (diff - bf16 diff) / fp8 error 0.50, 0.31, 0.44, 0.28 against 0.87.
+# CPU kinds: the bf16 roundings are IEEE round-to-nearest-even on every CPU (see bf16-autocast above); AMX and
+# AVX-512-bf16 kernels change only torch's fp32 accumulation order inside a GEMM (~1e-7), which moves the bf16
+# difference (measured in the same run, so the bound follows it) and not the flip rate's 2^-4 ceiling.
+FP8_BF16_FLIP_RATIO = math.sqrt(12 * 2.0 ** -4)
+#
+# On a CUDA GPU (unmeasured: no GPU has run the fp8 parity tests): torch_ref's torch._scaled_mm (per-tensor scales,
+# use_fast_accum off) against jaxgpt's cuBLASLt fp8 GEMM (XLA). Both take the same e4m3 operands and scales; e4m3
+# products are exact; the sums are fp32 in different orders and, on Hopper's fp8 tensor cores, possibly through an
+# accumulator that keeps ~14 bits between promotions to fp32 (DeepSeek-V3's H800 measurement; whether XLA's call
+# enables cuBLASLt's fast accumulation is not checked here). So two fp8 GEMM outputs may differ by d ~ 2^-14
+# relative where the CPU's fp32 sums differ by 2^7 x 2^-23 = 2^-16: flips at p ~ 2 d / 2^-4 = 2^-9, ratio
+# 2 sqrt(12 x 2^-9) = 0.31 (the factor 2 as in FP8_FLIP_RATIO), and the logits floor the fp32 pairwise rule's
+# 16 sqrt(n_layer) ulps of a 14-bit accumulator instead of a 24-bit one. The backward is not fp8 (fp32 GEMMs, TF32
+# off): gradients keep GRAD_FP32_REL plus the flip ratio.
+FP8_CUDA_ACCUM_BITS = 14
+FP8_CUDA_FLIP_RATIO = 2 * math.sqrt(12 * 2 * 2.0 ** -FP8_CUDA_ACCUM_BITS / E4M3_UNIT_ROUNDOFF)
+
+
+def fp8_cuda_logits_pairwise(scale: float, n_layer: int) -> float:
+    """fp32_logits_pairwise for two fp8 GEMM libraries on a GPU: the same ulps of a 14-bit accumulator."""
+    return fp32_logits_pairwise(scale, n_layer) * 2.0 ** (23 - FP8_CUDA_ACCUM_BITS)
+
+
+# The loss of two implementations whose loss-pass logits differ by delta (per position, over the vocabulary): the
+# cross-entropy of position i is logsumexp(l_i) - l_i[y_i], so exactly (Taylor with Lagrange remainder; the Hessian of
+# logsumexp at l + t delta is the covariance under softmax(l + t delta))
+#     CE(l + delta) - CE(l) = (E_p[delta_i] - delta_i[y_i]) + Var_q(delta_i) / 2 for some q on the segment,
+# and Var_q(delta_i) <= (max delta_i - min delta_i)^2 / 4 (Popoviciu). Averaged over positions: the first-order term
+# from the logits plus at most mean_i range_i^2 / 8 (plus the fp32 floor of a loss, LOSS_FP32_REL). The loss must be
+# what its own logits say, so the bound follows the logits' difference instead of adding a multiple of the logits'
+# RMS bound (replaces the "+ 2 x the logits bound" of the first fp8 logits test, which had no derivation).
+def cross_entropy_shift(base_logits, other_logits, targets) -> tuple[float, float]:
+    """(first-order change, bound on the remainder) of the mean cross-entropy from ``base_logits`` to
+    ``other_logits`` (``(..., vocab)``, targets ``(...)``), in float64."""
+    import numpy as np
+
+    base, delta = np.asarray(base_logits, np.float64), np.asarray(other_logits, np.float64) - base_logits
+    p = np.exp(base - base.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    at_target = np.take_along_axis(delta, np.asarray(targets)[..., None], axis=-1)[..., 0]
+    first = float(np.mean((p * delta).sum(-1) - at_target))
+    remainder = float(np.mean((delta.max(-1) - delta.min(-1)) ** 2) / 8)
+    return first, remainder

@@ -9,7 +9,9 @@ rounding as jaxgpt. The GEMM accumulates in fp32:
   bf16 and fp32, go through an fp32 matmul: e4m3 x e4m3 products are exact in fp32, so only the summation order
   differs from a real fp8 GEMM;
 * on a CUDA GPU with fp8 tensor cores (compute capability >= 8.9), ``torch._scaled_mm`` with the two scales and an
-  fp32 output. That path has not run here (no GPU on the machine this was written on).
+  fp32 output, where its shape rules allow (K and N multiples of 16: :func:`_scaled_mm_ok`; else the emulation).
+  That path has not run here (no GPU on the machine this was written on); its guard is tested against torch's
+  own shape checks (the meta registration of ``_scaled_mm``) on the CPU.
 
 The backward is straight-through in the compute dtype, as jaxgpt's: ``dx = g @ w^T`` and ``dw = x^T @ g`` of the
 unrounded (compute-dtype) operands with fp32 accumulation.
@@ -44,13 +46,24 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale.to(x.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def _scaled_mm_ok(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+def _has_fp8_gemm(device: torch.device) -> bool:
+    """A CUDA GPU with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` takes ``x (M, K) @ w (K, N)`` as :func:`_forward` lays it out. torch 2.13's
+    checks for a CUDA ``_scaled_mm`` (``_meta_registrations._check_scaled_mm_sizes``): 2-D fp8 operands, ``self``
+    row-major and ``mat2`` column-major, ``K`` and both dimensions of ``mat2`` (``K``, ``N``) divisible by 16, and for
+    per-tensor scales two fp32 scalars. _forward builds the layouts, dtypes and scales; the shapes are the model's:
+    GPT-2's lm_head (N = 50257) and the char model's (N = 65) fail them and take the emulation, as does every GEMM
+    off a device with fp8 tensor cores."""
+    return x.shape[-1] % 16 == 0 and w.shape[-1] % 16 == 0 and _has_fp8_gemm(x.device)
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (xq, sx), (wq, sw) = quantize(x), quantize(w)
-    if _scaled_mm_ok(x):  # cuBLASLt's fp8 GEMM: b column-major, per-tensor scales, fp32 output
+    if _scaled_mm_ok(x, w):  # cuBLASLt's fp8 GEMM: b column-major, per-tensor scales, fp32 output
         return torch._scaled_mm(xq, wq.t().contiguous().t(), scale_a=sx, scale_b=sw, out_dtype=torch.float32)
     return (xq.float() * sx) @ (wq.float() * sw)
 
