@@ -208,6 +208,54 @@ def test_generate_cli_under_fp8_reproduces_the_run_s_own_sample(reference, capsy
     assert text.startswith(want.rstrip("\n")), (text, want)
 
 
+def test_generate_cli_decodes_with_fp8_logits_not_bf16(reference, capsys, monkeypatch):
+    """The counter-check of the sample test above (8 tokens at temperature 0.8 from a barely trained model could
+    come out the same without fp8): the logits ``python -m jaxgpt.generate`` samples its first token from (captured
+    inside its jitted decoder) under ``--precision fp8`` are the fp8 model's own forward logits of the prompt to fp32
+    roundoff, and sit far from what the same command decodes under ``--precision bf16``. Dropping fp8 anywhere on
+    the way (the CLI's policy, the loaded model, the decoder) makes the fp8 decoder's logits bf16's and fails."""
+    import jax.numpy as jnp
+
+    from jaxgpt import generate as gen
+
+    out, _ = reference
+    captured, models = [], []
+    real_sample, real_load = gen.sample_logits, gen.load_model
+
+    def sample_spy(logits, *args, **kwargs):  # runs while the decoder is traced: records its values at run time
+        jax.debug.callback(lambda v: captured.append(np.asarray(v, np.float64)), logits)
+        return real_sample(logits, *args, **kwargs)
+
+    def load_spy(*args, **kwargs):
+        models.append(real_load(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(gen, "sample_logits", sample_spy)
+    monkeypatch.setattr(gen, "load_model", load_spy)
+    decoded = {}
+    for precision in ("fp8", "bf16"):
+        jax.clear_caches()  # trace the decoder anew, through the spy
+        captured.clear()
+        extra = ["--fp8-gemms", "all"] if precision == "fp8" else []
+        argv = ["--init-from", str(out), "--precision", precision, *extra, "--prompt", "\n", "--max-new-tokens", "1",
+                "--temperature", "0.8", "--seed", "0", "--print-ids"]
+        assert gen.main(argv) == 0
+        text = capsys.readouterr().out
+        prompt = json.loads(next(ln for ln in text.splitlines() if ln.startswith('{"sample"')))["ids"][:1]
+        assert len(captured) == 1 and captured[0].shape == (1, 65), [c.shape for c in captured]
+        decoded[precision] = captured[0][0]
+    fp8_model = models[0]
+    assert fp8_model.policy.fp8 == "all"
+    forward = np.asarray(fp8_model(jnp.asarray([prompt], jnp.int32))[0, -1], np.float64)  # model(idx), fp8
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+    fp8_vs_bf16 = rms(decoded["fp8"] - decoded["bf16"])
+    floor = 64 * 2.0 ** -23 * float(np.abs(forward).max())  # fp32 roundoff of a 2-layer forward, generously
+    print(f"\nfirst decoded logits: fp8 decoder vs fp8 model(idx) RMS {rms(decoded['fp8'] - forward):.2e}, "
+          f"vs the bf16 decoder {fp8_vs_bf16:.2e} (floor {floor:.1e})")
+    assert fp8_vs_bf16 > 100 * floor  # e4m3 rounding moved the decoded logits
+    assert rms(decoded["fp8"] - forward) <= FP8_FLIP_RATIO * fp8_vs_bf16 + floor
+
+
 def test_eval_cli_under_fp8_gives_the_run_s_own_val_loss(reference, tmp_path, capsys):
     """``python -m jaxgpt.eval --task val-loss --precision fp8`` over the run's evaluation batches (the first 2
     sequential val batches of 4 x 32) equals the run's final in-loop val loss under fp8 to fp32 roundoff (the same
