@@ -85,13 +85,13 @@ def test_model_dtypes_and_logits(fast_kernels):
     assert abs(la - lb) < 1e-2 * lb
 
 
-def test_mlp_recomputes_gelu_with_the_same_values_and_gradients():
-    """Under bf16 GEMM outputs the MLP keeps the bf16 c_fc output for the backward and recomputes bias + GELU
-    (jax.checkpoint): the same values and gradients as the plain expression."""
+def mlp_against_plain(policy: Policy):
+    """(loss, grads) of a tiny MLP under ``policy`` (its own ``__call__``) and of the plain expression
+    ``c_proj(gelu(c_fc(x)))`` with the same layers: ((va, ga), (vb, gb))."""
     from jaxgpt.model import MLP
 
     cfg = GPTConfig.preset("tiny", vocab_size=512)
-    mlp = MLP(cfg, policy=Policy.bf16_autocast(), rngs=nnx.Rngs(0))
+    mlp = MLP(cfg, policy=policy, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, cfg.n_embd)), jnp.float32)
 
     def plain(m, x):
@@ -100,7 +100,13 @@ def test_mlp_recomputes_gelu_with_the_same_values_and_gradients():
     def mine(m, x):
         return jnp.sum(m(x) ** 2)
 
-    (va, ga), (vb, gb) = (nnx.value_and_grad(f, argnums=(0, 1))(mlp, x) for f in (mine, plain))
+    return tuple(nnx.value_and_grad(f, argnums=(0, 1))(mlp, x) for f in (mine, plain))
+
+
+def test_mlp_recomputes_gelu_with_the_same_values_and_gradients():
+    """Under bf16 GEMM outputs the MLP keeps the bf16 c_fc output for the backward and recomputes bias + GELU
+    (jax.checkpoint): the same values and gradients as the plain expression."""
+    (va, ga), (vb, gb) = mlp_against_plain(Policy.bf16_autocast())
     np.testing.assert_allclose(float(va), float(vb), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)

@@ -12,8 +12,9 @@ import numpy as np
 from flax import nnx
 
 from jaxgpt import fp8, fused_loss, ops, step
-from jaxgpt.model import GPT, MLP, GPTConfig
+from jaxgpt.model import GPT, GPTConfig
 from jaxgpt.precision import Policy
+from tests.test_autocast_policy import mlp_against_plain
 
 GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
@@ -56,17 +57,7 @@ def test_fp8_mlp_recomputes_gelu_with_the_same_values_and_gradients():
     """Under precision: fp8 the MLP keeps the e4m3 c_fc GEMM's fp32 output for the backward and recomputes bias +
     GELU (jax.checkpoint; XLA otherwise kept the fp32 tanh too once the GEMM was a cuBLASLt call that fuses nothing
     after it: 38.8 -> 28.8 GiB at gpt2 b64): the same loss and gradients as the plain expression, bit for bit."""
-    cfg = GPTConfig.preset("tiny", vocab_size=512)
-    mlp = MLP(cfg, policy=Policy.named("fp8", fp8_gemms="mlp"), rngs=nnx.Rngs(0))
-    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, cfg.n_embd)), jnp.float32)
-
-    def plain(m, x):
-        return jnp.sum(m.c_proj(jax.nn.gelu(m.c_fc(x), approximate=True)) ** 2)
-
-    def mine(m, x):
-        return jnp.sum(m(x) ** 2)
-
-    (va, ga), (vb, gb) = (nnx.value_and_grad(f, argnums=(0, 1))(mlp, x) for f in (mine, plain))
+    (va, ga), (vb, gb) = mlp_against_plain(Policy.named("fp8", fp8_gemms="mlp"))
     assert float(va) == float(vb)
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
