@@ -445,7 +445,7 @@ def test_ctrl_c_in_data_preparation_exits_130_with_one_line_and_leaves_nothing(t
                                           ("jaxgpt.checkpoint.__main__", "jaxgpt.checkpoint.cli"),
                                           ("jaxgpt.eval.__main__", "jaxgpt.eval.cli"),
                                           ("jaxgpt.train.__main__", "jaxgpt.train.cli"),
-                                          ("jaxgpt.generate", "jaxgpt.generate"),
+                                          ("jaxgpt.generate.__main__", "jaxgpt.generate.cli"),
                                           ("jaxgpt.account.__main__", "jaxgpt.account.cli")])
 def test_every_cli_runs_through_the_interrupt_handler(module, tool, capsys):
     """Each entry point imports jaxgpt.interrupt before anything else and hands run_cli the tool to import, so a

@@ -81,21 +81,22 @@ def test_generation_is_jitted_with_the_fp8_compiler_options():
     bf16 models and on the CPU. The options change kernels, not numbers: on the CPU the fp8 decoder jitted with them
     samples the same tokens as without."""
     from jaxgpt import generate as gen
+    from jaxgpt.generate import decode
 
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
     fp8_model = GPT(cfg, policy=Policy.named("fp8", fp8_gemms="all"), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(fp8_model)
     bf16_graphdef = nnx.split(GPT(cfg, policy=Policy.named("bf16"), rngs=nnx.Rngs(0)))[0]
-    with_options = gen._generate_with_options(tuple(GPU_OPTIONS.items()))
+    with_options = decode._generate_with_options(tuple(GPU_OPTIONS.items()))
     with ops.traced_for([SimpleNamespace(platform="gpu")]):
         assert step.platform_compiler_options(graphdef, "gpu") == GPU_OPTIONS
-        assert gen._generate_program(graphdef) is with_options
-        assert gen._generate_program(bf16_graphdef) is gen._generate_compiled
-    assert gen._generate_program(graphdef) is gen._generate_compiled  # this process's CPU
+        assert decode._generate_program(graphdef) is with_options
+        assert decode._generate_program(bf16_graphdef) is decode._generate_compiled
+    assert decode._generate_program(graphdef) is decode._generate_compiled  # this process's CPU
     args = (graphdef, state, jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32), jax.random.key(0), jnp.float32(0.8))
     static = dict(n_new=6, top_k=None, use_cache=True)
     np.testing.assert_array_equal(np.asarray(with_options(*args, **static)),
-                                  np.asarray(gen._generate_compiled(*args, **static)))
+                                  np.asarray(decode._generate_compiled(*args, **static)))
     out = gen.generate(fp8_model, [1, 2, 3], max_new_tokens=6, temperature=0.8, seed=0)
     assert out.shape == (1, 9)
 

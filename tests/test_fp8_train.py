@@ -218,11 +218,11 @@ def test_generate_cli_decodes_with_fp8_logits_not_bf16(reference, capsys, monkey
     the way (the CLI's policy, the loaded model, the decoder) makes the fp8 decoder's logits bf16's and fails."""
     import jax.numpy as jnp
 
-    from jaxgpt import generate as gen
+    from jaxgpt.generate import cli, decode
 
     out, _ = reference
     captured, models = [], []
-    real_sample, real_load = gen.sample_logits, gen.load_model
+    real_sample, real_load = decode.sample_logits, cli.load_model
 
     def sample_spy(logits, *args, **kwargs):  # runs while the decoder is traced: records its values at run time
         jax.debug.callback(lambda v: captured.append(np.asarray(v, np.float64)), logits)
@@ -232,8 +232,8 @@ def test_generate_cli_decodes_with_fp8_logits_not_bf16(reference, capsys, monkey
         models.append(real_load(*args, **kwargs))
         return models[-1]
 
-    monkeypatch.setattr(gen, "sample_logits", sample_spy)
-    monkeypatch.setattr(gen, "load_model", load_spy)
+    monkeypatch.setattr(decode, "sample_logits", sample_spy)  # the decoder's sampler
+    monkeypatch.setattr(cli, "load_model", load_spy)  # the command's loader
     decoded = {}
     for precision in ("fp8", "bf16"):
         jax.clear_caches()  # trace the decoder anew, through the spy
@@ -241,7 +241,7 @@ def test_generate_cli_decodes_with_fp8_logits_not_bf16(reference, capsys, monkey
         extra = ["--fp8-gemms", "all"] if precision == "fp8" else []
         argv = ["--init-from", str(out), "--precision", precision, *extra, "--prompt", "\n", "--max-new-tokens", "1",
                 "--temperature", "0.8", "--seed", "0", "--print-ids"]
-        assert gen.main(argv) == 0
+        assert cli.main(argv) == 0
         text = capsys.readouterr().out
         prompt = json.loads(next(ln for ln in text.splitlines() if ln.startswith('{"sample"')))["ids"][:1]
         assert len(captured) == 1 and captured[0].shape == (1, 65), [c.shape for c in captured]

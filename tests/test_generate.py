@@ -156,7 +156,7 @@ def test_padded_vocab_is_never_sampled(runs, model):
 
 def test_kth_largest_matches_lax_top_k():
     """The top-k threshold (bisection on CPU) is lax.top_k's k-th value, ties, zeros, infs and denormals included."""
-    from jaxgpt.generate import _kth_largest_bisect, kth_largest
+    from jaxgpt.generate.sampling import _kth_largest_bisect, kth_largest
 
     rng = np.random.default_rng(0)
     x = (rng.normal(size=(60, 37)) * 10).astype(np.float32)
@@ -178,7 +178,7 @@ def test_kth_largest_matches_lax_top_k():
 def test_grouped_kth_largest_is_exact_on_wide_rows():
     """The CPU threshold looks only at the k groups of GROUP values with the largest maxima: the same value
     as lax.top_k, including rows whose top values tie across groups and rows with few finite values."""
-    from jaxgpt.generate import GROUP, _kth_largest_grouped
+    from jaxgpt.generate.sampling import GROUP, _kth_largest_grouped
 
     rng = np.random.default_rng(1)
     V = 50_257
@@ -207,7 +207,7 @@ def test_argmax_is_jnp_argmax():
 def test_categorical_draws_from_the_softmax():
     """Two-level inverse CDF: frequencies match softmax(logits) over several groups and the partial last
     one; -inf logits are never drawn; a single finite logit is always drawn."""
-    from jaxgpt.generate import GROUP, categorical
+    from jaxgpt.generate.sampling import GROUP, categorical
 
     V, n = 3 * GROUP + 40, 200_000
     logits = np.full(V, -np.inf, np.float32)
@@ -391,20 +391,37 @@ def test_cli_module_entry_point():
     assert "Traceback" not in proc.stderr and "--temperature" in proc.stderr
 
 
+def test_the_package_re_exports_its_modules_names_and_imports_them_only_when_used():
+    """``jaxgpt.generate``'s names are its modules' own objects; importing the package imports no jax (so that
+    ``python -m jaxgpt.generate`` imports jax under jaxgpt.interrupt.run_cli, where a Ctrl-C is the tool's line)."""
+    import importlib
+
+    import jaxgpt.generate as package
+
+    assert package.__all__ == sorted(package._EXPORTS)
+    for name, module in package._EXPORTS.items():
+        assert getattr(package, name) is getattr(importlib.import_module(f"jaxgpt.generate.{module}"), name), name
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        package.nope  # noqa: B018
+    code = "import sys, jaxgpt.generate; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", (proc.stdout, proc.stderr)
+
+
 def test_bf16_decoding_casts_the_weights_once_with_the_same_tokens(monkeypatch):
     """Under a bf16 policy the decoder casts the Linear kernels and the tied head to bf16 once per call, not once
     per token. The matmuls cast their operands anyway, so sampling is bit-for-bit what per-token casting gives."""
-    from jaxgpt import generate as gen_mod
+    from jaxgpt.generate import decode
 
     fp32 = sharpened_model(CFG, seed=4)
     graphdef, state = nnx.split(fp32)
     bf16 = nnx.merge(nnx.split(GPT(CFG, policy=Policy.bf16(), rngs=nnx.Rngs(0)))[0], state)
-    cast = gen_mod._matmul_weights_in_compute_dtype(*nnx.split(bf16))
+    cast = decode._matmul_weights_in_compute_dtype(*nnx.split(bf16))
     dtypes = {jax.tree_util.keystr(p): v.dtype for p, v in jax.tree_util.tree_leaves_with_path(cast)}
     assert {k for k, d in dtypes.items() if d == jnp.bfloat16} == {k for k in dtypes if "kernel" in k}
-    assert gen_mod._matmul_weights_in_compute_dtype(graphdef, state) is state  # fp32: untouched
+    assert decode._matmul_weights_in_compute_dtype(graphdef, state) is state  # fp32: untouched
     fast = generate(bf16, PROMPT, max_new_tokens=N_NEW, temperature=0.8, seed=3, num_samples=2)
-    monkeypatch.setattr(gen_mod, "_matmul_weights_in_compute_dtype", lambda graphdef, state: state)
-    gen_mod._generate_compiled.clear_cache()  # retrace without the cast
+    monkeypatch.setattr(decode, "_matmul_weights_in_compute_dtype", lambda graphdef, state: state)
+    decode._generate_compiled.clear_cache()  # retrace without the cast
     slow = generate(bf16, PROMPT, max_new_tokens=N_NEW, temperature=0.8, seed=3, num_samples=2)
     np.testing.assert_array_equal(np.asarray(fast), np.asarray(slow))

@@ -261,10 +261,11 @@ def test_generate_refuses_samples_that_do_not_fit_a_faked_gpu_pool(monkeypatch):
 
     from jaxgpt import generate as gen
     from jaxgpt.config import GPTConfig
+    from jaxgpt.generate import decode
     from jaxgpt.model import GPT
 
     program = _Program(per_row=100 * 2**20, arg=2)  # (graphdef, state, ctx, ...): ctx's rows
-    monkeypatch.setattr(gen, "_generate_compiled", program)
+    monkeypatch.setattr(decode, "_generate_compiled", program)
     monkeypatch.setattr(memory_fit, "device_pool", lambda devices: 1000 * 2**20)
     model = GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0))
     with pytest.raises(DeviceMemoryError) as e:  # 2 prompts x 8 samples: 16 rows, 1.6 GB
@@ -292,13 +293,13 @@ def test_eval_refuses_a_batch_that_does_not_fit_a_faked_gpu_pool(monkeypatch):
 
 
 def test_generate_out_of_memory_while_running_is_one_line_and_other_runtime_errors_propagate(monkeypatch, capsys):
-    from jaxgpt import generate as gen
+    from jaxgpt.generate import cli
 
     def oom(*args, **kwargs):
         raise jax.errors.JaxRuntimeError(OOM + "\n" + "detail " * 100)
 
-    monkeypatch.setattr(gen, "generate_samples", oom)
-    assert gen.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 2
+    monkeypatch.setattr(cli, "generate_samples", oom)
+    assert cli.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: out of device memory ({OOM}); free the GPU's memory (another process on it?) or use a "
                    "smaller --num-samples, and run it again"]
@@ -306,9 +307,9 @@ def test_generate_out_of_memory_while_running_is_one_line_and_other_runtime_erro
     def crash(*args, **kwargs):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
 
-    monkeypatch.setattr(gen, "generate_samples", crash)
+    monkeypatch.setattr(cli, "generate_samples", crash)
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
-        gen.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+        cli.main(["--init-from", "random:tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
 
 
 def test_eval_out_of_memory_while_running_names_the_batch_size_option(monkeypatch, capsys):

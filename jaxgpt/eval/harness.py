@@ -347,12 +347,13 @@ def _prefill(graphdef, traces, state, tokens, lengths, *, cache_len: int):
 
 def _decode(graphdef, traces, state, cache, logits, pos, key, temperature, start, steps, *, greedy: bool):
     """Up to :data:`GEN_CHECK_EVERY` new tokens (``steps`` of them; the rest of the returned row is 0), each row
-    at its own positions ``pos``, ``pos + 1``, ... (jaxgpt.generate's sampling; ``temperature`` 0: greedy)."""
+    at its own positions ``pos``, ``pos + 1``, ... (jaxgpt.generate.sampling; ``temperature`` 0: greedy)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxgpt.generate import _matmul_weights_in_compute_dtype, argmax, sample_logits
+    from jaxgpt.generate.decode import _matmul_weights_in_compute_dtype
+    from jaxgpt.generate.sampling import argmax, sample_logits
     from jaxgpt.model import KVCache
 
     traces["decode"] += 1
