@@ -23,7 +23,7 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fused_loss, norm, ops
+from jaxgpt import fused_loss, gelu, norm, ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -261,6 +261,10 @@ class MLP(nnx.Module):
             y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
             with jax.named_scope("gelu"):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
+        elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.gelu)
+            p = fc.policy
+            h = gelu.fc_gelu(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], dtype=p.dtype,
+                             precision=p.lax_precision, out_dtype=p.out_dtype)
         else:
             h = fc(x)
             with jax.named_scope("gelu"):

@@ -48,6 +48,11 @@ class Policy:
     # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
     # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass)
     layer_norm: Literal["plain", "fused"] = "plain"
+    # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
+    # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
+    # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
+    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU)
+    gelu: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
@@ -63,6 +68,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.layer_norm not in ("plain", "fused"):
             raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused'")
+        if self.gelu not in ("plain", "pallas"):
+            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
             raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32 (float64 "
                               "only for the float64 reference policy, Policy.fp64()); use compute_dtype='bfloat16' "
@@ -76,6 +83,12 @@ class Policy:
                                    or not self.fast_kernels):
             raise ConfigError(f"Policy.fp8 = {self.fp8!r} needs compute_dtype bfloat16 (or float32), gemm_output "
                               "float32 and fast_kernels: use Policy.fp8_policy() or precision: fp8")
+        if self.gelu == "pallas" and (self.gemm_output != "float32" or self.fp8_on("mlp")
+                                       or self.compute_dtype not in ("bfloat16", "float32") or not self.fast_kernels):
+            raise ConfigError(f"Policy.gelu = 'pallas' replaces the MLP backward of the default numerics (bf16 or fp32 "
+                              f"compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
+                              f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
+                              f"fast_kernels {self.fast_kernels}: use precision bf16 or fp32, or gelu: plain")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
             raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
                               "params, fast_kernels=False)")

@@ -33,6 +33,7 @@ class TrainConfig:
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
     layer_norm: Literal["plain", "fused"] = "plain"  # Policy.layer_norm: fused = jaxgpt.norm's two-pass backward
+    gelu: Literal["plain", "pallas"] = "plain"  # Policy.gelu: pallas = jaxgpt.gelu's one-kernel GELU backward (GPUs)
     # ---- optimizer --------------------------------------------------------------------------------------
     optim: OptimConfig = OptimConfig()
     # ---- data -------------------------------------------------------------------------------------------
