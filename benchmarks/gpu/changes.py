@@ -42,8 +42,14 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
     ("fp8: the lm_head's GEMM alone in e4m3", "precision=fp8 fp8_gemms=lm_head", {"b64": "fp8-lm_head-b64"}),
     ("fp8: the MLP's and the lm_head's GEMMs in e4m3", "precision=fp8 fp8_gemms=mlp+lm_head",
      {"b64": "fp8-mlp_lm_head-b64"}),
+    ("MLP: GELU's backward as one Pallas kernel (bf16 dh and the bias gradient's partial sums in one pass; the c_fc "
+     "GEMM's backward in its custom VJP)", "gelu=pallas", {
+         "b64": "gelu-pallas-b64", "b16": "gelu-pallas-b16", "yaml": "gelu-pallas-gpt2-124m"}),
     ("all opt-in changes together: bf16-autocast + fused LayerNorm + grouped norm",
      "precision=bf16-autocast layer_norm=fused optim.grad_norm=grouped", {"b64": "combined-b64"}),
+    ("all opt-in changes of the bf16 policy together: fused LayerNorm + grouped norm + Pallas GELU backward "
+     "(gelu=pallas needs gemm_output float32, so not bf16-autocast)",
+     "layer_norm=fused optim.grad_norm=grouped gelu=pallas", {"b64": "combined-bf16-gelu-b64"}),
 ]
 
 
