@@ -44,8 +44,9 @@ def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
 
 
 def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
-    """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8) run through the GPU worker (dry: the CPU, a
-    tiny batch), so the next lent GPU measures them beside jax_bf16 with `benchmarks.gpu.bench --variants ...`."""
+    """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with the Pallas GELU backward) run
+    through the GPU worker (dry: the CPU, a tiny batch), so the next lent GPU measures them beside jax_bf16 with
+    `benchmarks.gpu.bench --variants ...`."""
     res = gpu_bench.run(dry=True, batches=[2], eager_batches=[], medium_batch=None, steps=5, budget_s=600,
                         variants=gpu_bench.OPT_IN_VARIANTS, log=lambda s: None)
     rows = {r["variant"]: r for r in res["rows"]}
@@ -54,6 +55,8 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "gemm_output='bfloat16'" in policy["jax_bf16_autocast"] and "layer_norm='plain'" in policy["jax_bf16_autocast"]
     assert "gemm_output='bfloat16'" in policy["jax_autocast_fused_ln"] and "layer_norm='fused'" in policy["jax_autocast_fused_ln"]
     assert "fp8='all'" in policy["jax_fp8"]
+    assert "compute_dtype='bfloat16'" in policy["jax_bf16_gelu_pallas"] and "gelu='pallas'" in policy["jax_bf16_gelu_pallas"]
+    assert "gelu='plain'" in policy["jax_bf16_autocast"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
