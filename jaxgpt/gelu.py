@@ -31,8 +31,6 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float
 
 from jaxgpt import ops
@@ -59,6 +57,8 @@ def gelu_grad(h: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
 
 def _kernel(g_ref, h_ref, dh_ref, db_ref, *, sub: int):
     """One (rows, cols) tile: dh = g * gelu'(h) written in dh_ref's dtype, its fp32 column sums into db_ref."""
+    from jax.experimental import pallas as pl
+
     rows, cols = g_ref.shape
 
     def step(i, acc):
@@ -96,6 +96,9 @@ def gelu_backward(g: Float[Array, "rows d_ff"], h: Float[Array, "rows d_ff"], *,
     unrounded ``dh`` per block of rows (``partial_sums.sum(0)`` is the bias gradient), as one Pallas Triton
     kernel (``interpret=True``: Pallas' interpreter, on any backend). Rows and columns are zero-padded up to the
     blocks (:func:`blocks`) where they are not multiples of them: padded rows of g are zero, so they add nothing."""
+    from jax.experimental import pallas as pl  # here, not at import: Pallas adds ~0.2-0.3 s to `import jaxgpt.model`
+    from jax.experimental.pallas import triton as plgpu
+
     _check(g, h)
     rows, cols = g.shape
     br, bc = blocks(rows, cols)

@@ -344,7 +344,8 @@ def test_gpt2_124m_b16_on_h100_fits_lowers_as_intended_and_meets_the_predicted_f
     assert data["bound_mfu"] >= 0.48 and data["predicted_bytes_per_micro_step"] <= 86e9
 
 
-@needs_plugin
+@pytest.mark.slow  # gpt2 b16 x 32 compiled for the H100 (35 s on 2 cores): the tiny program's account beside XLA's is
+@needs_plugin       # test_compile_prints_the_accounts_memory_estimate_beside_xlas, the terms by hand tests/test_account.py
 def test_account_memory_model_against_xla_gpu(request):
     """jaxgpt.account's analytic temp (activations, grads, accumulator, weight copies) against XLA:GPU's."""
     from jaxgpt import account

@@ -155,7 +155,8 @@ def test_fp8_on_a_data_fsdp_mesh_follows_one_device(tmp_path, reference, env):
 
 
 # ---- gradient accumulation ------------------------------------------------------------------------------------
-def test_fp8_gradient_accumulation_equals_one_big_batch():
+@pytest.mark.slow  # 40-57 s on 2 cores; the accumulation loop is fp8-agnostic (tests/test_step.py's equality), and the
+def test_fp8_gradient_accumulation_equals_one_big_batch():  # fp8 runs above accumulate 2 micro-steps and resume exactly
     """4 micro-batches of 4 against one batch of 16, every forward GEMM in e4m3 and everything else fp32 (matmul
     precision "highest", as the parity tests isolate fp8). Each micro-batch takes its own activation scales; with
     power-of-two scales e4m3's relative grid is the same at any scale, so a normal element rounds to the same value

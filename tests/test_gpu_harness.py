@@ -43,7 +43,23 @@ def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
     assert "| gpt2 | **jax_bf16** | 2 |" in md and "Targets" in md
 
 
-def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
+def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():
+    """What the slow dry run below checks, without running: each of bench's opt-in variants is a GPU worker variant
+    whose precision and extra Policy fields make a valid policy (an invalid pairing, e.g. gelu: pallas under
+    bf16-autocast, raises here before a lent GPU's minutes are spent on it)."""
+    from benchmarks.gpu.worker import GPU_VARIANTS, VARIANT_POLICY
+    from jaxgpt.precision import Policy
+
+    for variant in gpu_bench.OPT_IN_VARIANTS:
+        framework, precision, compiled = GPU_VARIANTS[variant]
+        policy = Policy.named(precision, **VARIANT_POLICY.get(variant, {}))
+        assert framework == "jax" and compiled, variant
+        assert policy.compute_dtype == "bfloat16", (variant, policy)
+    assert set(VARIANT_POLICY) <= set(gpu_bench.OPT_IN_VARIANTS)
+
+
+@pytest.mark.slow  # 64-80 s on 2 cores (4 variants trained through the worker); the default variant's dry run covers
+def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):  # the same worker code path
     """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with the Pallas GELU backward) run
     through the GPU worker (dry: the CPU, a tiny batch), so the next lent GPU measures them beside jax_bf16 with
     `benchmarks.gpu.bench --variants ...`."""
