@@ -423,3 +423,22 @@ def test_issue_32s_table_of_changes_reads_the_committed_predictions_and_is_in_be
     assert text.strip().splitlines()[0] in (ROOT / "BENCHMARKS.md").read_text()
     met = [r for r in table if r["b64"]["ms"] <= changes.TARGETS_MS["b64"]]
     assert ("**Not met by any row.**" in text) == (not met)
+
+
+def test_issue_32s_budget_splits_the_baseline_prediction_into_what_stays_and_what_must_shrink():
+    """changes.budget: the baseline's FLOP-priced kernels (GEMMs, cuDNN attention) + host + the memory-bound rest is
+    its whole prediction, the rest summed the other way (its fusion and copy classes), and the cut is the share of
+    that rest the target removes: b64 asks half of the 71.7 ms of memory-bound kernels to go."""
+    from benchmarks.gpu import changes
+
+    for program in ("b64", "b16", "yaml"):
+        b = changes.budget(program)
+        cal = changes.load(changes.CHANGES[0][2][program])["prediction"]["calibrated"]
+        rest = sum(v for k, v in cal["by_class"].items() if k.split(":")[0] in ("fusion", "copy")) * 1e3
+        assert b["rest"] == pytest.approx(rest, rel=1e-9) and b["flops"] + b["host"] + b["rest"] == pytest.approx(
+            b["total"])
+        assert b["allowed"] == pytest.approx(changes.TARGETS_MS[program] - b["flops"] - b["host"])
+        assert b["cut"] == pytest.approx((b["rest"] - b["allowed"]) / b["rest"]) and 0 < b["cut"] < 1
+    b64 = changes.budget("b64")
+    assert (round(b64["flops"], 1), round(b64["rest"], 1), round(b64["cut"], 2)) == (87.6, 71.7, 0.50)
+    assert "| b64, 1 micro-step | 166.6 | 87.6 | 7.4 | 71.7 | 131.0 | 36.0 | 50% |" in changes.OUT.read_text()
