@@ -147,7 +147,8 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
-    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward)."""
+    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with a
+    one-kernel backward on GPUs). ``branch(x)`` is ``(x, ln(x))``: what a Block's residual branch takes."""
 
     def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32, impl: str = "plain"):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -161,7 +162,7 @@ class LayerNorm(nnx.Module):
             # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
             # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
             x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
-            if self.impl == "fused":
+            if self.impl in ("fused", "pallas"):  # pallas: ln_f (no residual branch) takes fused's backward
                 bias = self.bias[...] if self.bias is not None else None
                 return norm.layer_norm(x, self.scale[...], bias, eps=self.eps).reshape(*lead, x.shape[-1])
             mean = x.mean(axis=-1, keepdims=True)
@@ -169,6 +170,15 @@ class LayerNorm(nnx.Module):
             y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...]
             y = y + self.bias[...] if self.bias is not None else y
             return y.reshape(*lead, x.shape[-1])
+
+    def branch(self, x: Float[Array, "... embed"]) -> tuple[Float[Array, "... embed"], Float[Array, "... embed"]]:
+        """``(x, ln(x))``; under "pallas" one custom VJP whose backward also adds x's residual gradient (jaxgpt.norm)."""
+        if self.impl != "pallas" or x.dtype != jnp.float32:
+            return x, self(x)
+        with jax.named_scope("layer_norm"):
+            bias = self.bias[...] if self.bias is not None else None
+            x_out, y = norm.layer_norm_branch(x.reshape(-1, x.shape[-1]), self.scale[...], bias, eps=self.eps)
+            return x_out.reshape(x.shape), y.reshape(x.shape)
 
 
 class Linear(nnx.Module):
@@ -289,9 +299,12 @@ class Block(nnx.Module):
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
         attn_key, mlp_key = _split(dropout_key, 2)
-        a, cache = self.attn(self.ln_1(x), cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
+        # branch(x) is (x, ln(x)): under layer_norm: pallas its backward also adds the residual stream's gradient
+        x, h = self.ln_1.branch(x)
+        a, cache = self.attn(h, cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
         x = x + a  # the residual stream stays fp32
-        x = x + self.mlp(self.ln_2(x), dropout_key=mlp_key)
+        x, h = self.ln_2.branch(x)
+        x = x + self.mlp(h, dropout_key=mlp_key)
         return x, cache
 
 

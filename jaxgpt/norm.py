@@ -18,12 +18,15 @@ two passes that XLA fuses one kernel each:
   reads x and dy once more.
 
 A single pass (dx and per-block partial sums of d(scale) and d(bias) in one kernel, as llm.c's
-``layernorm_backward`` does) needs a kernel that reduces along both axes at once, which no XLA fusion does.
+``layernorm_backward`` does) needs a kernel that reduces along both axes at once, which no XLA fusion does:
+``Policy.layer_norm = "pallas"`` is that kernel, a Pallas Triton one (:func:`layer_norm_backward`, below), for the
+blocks' LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also adds the residual stream's gradient.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -87,18 +90,22 @@ def _layer_norm_fwd(x, scale, bias, eps):
         return _normalize(x, mean, rstd, scale, bias), (x, *saved, scale, bias)
 
 
+def _backward_xla(x, mean, rstd, scale, bias, dy):
+    """(dx, d(scale), d(bias)) as the two passes above (rows, then one multi-output column reduction)."""
+    dy = dy.astype(x.dtype)
+    x_hat = (x - mean) * rstd
+    g = dy * scale.astype(x.dtype)
+    c1 = (g * x_hat).mean(axis=-1, keepdims=True)
+    c2 = g.mean(axis=-1, keepdims=True)
+    dx = (g - c2 - x_hat * c1) * rstd
+    d_scale, d_bias = _column_sums(dy * x_hat, dy if bias is not None else None)
+    return dx, d_scale.astype(scale.dtype), None if bias is None else d_bias.astype(bias.dtype)
+
+
 def _layer_norm_bwd(eps, res, dy):
     del eps  # inside rstd
-    x, mean, rstd, scale, bias = res
     with jax.named_scope(SCOPE):
-        dy = dy.astype(x.dtype)
-        x_hat = (x - mean) * rstd
-        g = dy * scale.astype(x.dtype)
-        c1 = (g * x_hat).mean(axis=-1, keepdims=True)
-        c2 = g.mean(axis=-1, keepdims=True)
-        dx = (g - c2 - x_hat * c1) * rstd
-        d_scale, d_bias = _column_sums(dy * x_hat, dy if bias is not None else None)
-    return dx, d_scale.astype(scale.dtype), None if bias is None else d_bias.astype(bias.dtype)
+        return _backward_xla(*res, dy)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
@@ -110,3 +117,151 @@ def layer_norm(x: Float[Array, "rows embed"], scale: Float[Array, " embed"], bia
     x's dtype (the caller casts to fp32 first, as the plain LayerNorm does), with the two-pass backward above."""
     _check(x, scale, bias)
     return _layer_norm(x, scale, bias, float(eps))
+
+
+# ---- layer_norm: pallas: the LayerNorm of a residual branch, its backward one kernel ------------------------------
+# On GPUs the row pass above is a fusion that also adds dx to the residual stream's gradient (XLA fuses the add in),
+# and the column pass re-reads x and dy. One kernel can do both, but only if the custom VJP is handed the residual
+# gradient: a VJP of the LayerNorm alone gets dy, and XLA would add its dx to the residual gradient in a pass of its
+# own. So :func:`layer_norm_branch` returns x itself beside LayerNorm(x); the Block adds its branch to that x, and the
+# backward gets both cotangents: ``d_x = d_x_out + LN_backward(dh)``, one read of x, dy and d_x_out, one write.
+Backward = Literal["auto", "kernel", "interpret", "xla"]
+BLOCK_ROWS = 128  # rows per program: its d(scale), d(bias) partial sums are one row of the partial-sum outputs
+SUB_ROWS = 8  # rows per inner step: (8, 1024) fp32 tiles of x, dy and the residual gradient over 8 warps
+NUM_WARPS, NUM_STAGES = 8, 2
+
+
+class LayerNormKernelError(ValueError):
+    """Inputs the LayerNorm backward kernel cannot take (wrong rank or shapes, dtypes)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _kernel(x_ref, dy_ref, dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *, block: int, sub: int,
+            width: int):
+    """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
+    ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
+    (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    rows, cols = x_ref.shape
+    i = pl.program_id(0)
+    col = jnp.arange(width)
+    col_ok = col < cols
+    scale = plgpu.load(scale_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)
+
+    def step(s, acc):
+        row = i * block + s * sub + jnp.arange(sub)
+        row_ok = row < rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        at = (row[:, None], col[None, :])
+        x = plgpu.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+        dy = plgpu.load(dy_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+        dres = plgpu.load(dres_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+        mean = plgpu.load(mean_ref.at[row], mask=row_ok, other=0.0)[:, None]
+        rstd = plgpu.load(rstd_ref.at[row], mask=row_ok, other=0.0)[:, None]
+        x_hat = jnp.where(ok, (x - mean) * rstd, 0.0)  # padded columns: 0, not -mean * rstd
+        g = dy * scale[None, :]
+        c1 = (g * x_hat).sum(axis=1, keepdims=True) / cols
+        c2 = g.sum(axis=1, keepdims=True) / cols
+        dx = (g - c2 - x_hat * c1) * rstd + dres
+        plgpu.store(dx_ref.at[at], dx.astype(dx_ref.dtype), mask=ok)
+        return acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0)
+
+    zero = jnp.zeros((width,), jnp.float32)
+    d_scale, d_bias = jax.lax.fori_loop(0, block // sub, step, (zero, zero))
+    plgpu.store(ds_ref.at[i, col], d_scale, mask=col_ok)
+    plgpu.store(db_ref.at[i, col], d_bias, mask=col_ok)
+
+
+def _check_kernel(x, dy, dres, mean, rstd, scale) -> None:
+    if getattr(x, "ndim", 0) != 2 or not (tuple(x.shape) == tuple(dy.shape) == tuple(dres.shape)):
+        raise LayerNormKernelError(f"layer_norm_backward takes x, dy and the residual gradient of one (rows, embed) "
+                                   f"shape, got {tuple(x.shape)}, {tuple(dy.shape)} and {tuple(dres.shape)}; reshape "
+                                   "them with a.reshape(-1, a.shape[-1])")
+    if x.dtype != jnp.float32 or dres.dtype != jnp.float32 or dy.dtype not in (jnp.float32, jnp.bfloat16):
+        raise LayerNormKernelError(f"layer_norm_backward takes float32 x and residual gradient and a float32 or "
+                                   f"bfloat16 dy, got {x.dtype}, {dres.dtype} and {dy.dtype}")
+    if tuple(mean.shape) != (x.shape[0], 1) or tuple(rstd.shape) != (x.shape[0], 1) or scale.shape != x.shape[1:]:
+        raise LayerNormKernelError(f"layer_norm_backward: mean and rstd must be ({x.shape[0]}, 1) and scale "
+                                   f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, {tuple(scale.shape)}")
+
+
+def layer_norm_backward(x: Float[Array, "rows embed"], dy: Float[Array, "rows embed"],
+                        dres: Float[Array, "rows embed"], mean: Float[Array, "rows 1"], rstd: Float[Array, "rows 1"],
+                        scale: Float[Array, " embed"], *, interpret: bool = False
+                        ) -> tuple[Float[Array, "rows embed"], Float[Array, "row_blocks embed"],
+                                   Float[Array, "row_blocks embed"]]:
+    """``(dres + dx, d_scale_partials, d_bias_partials)`` of the LayerNorm whose forward saved ``mean`` and ``rstd``,
+    as one Pallas Triton kernel (``interpret=True``: Pallas' interpreter, on any backend): ``dx = rstd * (g - mean(g)
+    - x_hat * mean(g * x_hat))`` with ``g = dy * scale``, and per block of :data:`BLOCK_ROWS` rows the fp32 column
+    sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). Ragged rows and an embedding that
+    is not a power of two are masked in the kernel, not padded in memory."""
+    from jax.experimental import pallas as pl  # here, not at import: Pallas adds ~0.2-0.3 s to `import jaxgpt.model`
+    from jax.experimental.pallas import triton as plgpu
+
+    _check_kernel(x, dy, dres, mean, rstd, scale)
+    rows, cols = x.shape
+    block = min(BLOCK_ROWS, max(SUB_ROWS, _next_pow2(rows)))
+    n = -(-rows // block)
+    kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
+    return pl.pallas_call(
+        partial(_kernel, block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols))),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                   *[jax.ShapeDtypeStruct((n, cols), jnp.float32)] * 2),
+        grid=(n,), interpret=interpret, name="layer_norm_backward_residual", **kwargs,
+    )(x, dy, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
+
+
+def _resolve(backward: Backward) -> Backward:
+    if backward != "auto":
+        return backward
+    return "kernel" if ops.platform() == "gpu" else "xla"
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _branch(x, scale, bias, eps, backward):
+    mean, rstd = _stats(x, eps)
+    return x, _normalize(x, mean, rstd, scale, bias)
+
+
+def _branch_fwd(x, scale, bias, eps, backward):
+    y, res = _layer_norm_fwd(x, scale, bias, eps)
+    return (x, y), res
+
+
+def _branch_bwd(eps, backward, res, cotangents):
+    del eps  # inside rstd
+    d_x_out, dy = cotangents
+    x, mean, rstd, scale, bias = res
+    with jax.named_scope(SCOPE):
+        if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
+            dx, d_scale, d_bias = _backward_xla(*res, dy)
+            return d_x_out.astype(x.dtype) + dx, d_scale, d_bias
+        dx, ds, db = layer_norm_backward(x, dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype),
+                                         d_x_out.astype(x.dtype), mean, rstd, scale,
+                                         interpret=_resolve(backward) == "interpret")
+        return (dx, ds.sum(axis=0).astype(scale.dtype),
+                None if bias is None else db.sum(axis=0).astype(bias.dtype))
+
+
+_branch.defvjp(_branch_fwd, _branch_bwd)
+
+
+def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
+                      bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto"
+                      ) -> tuple[Float[Array, "rows embed"], Float[Array, "rows embed"]]:
+    """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
+    backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
+    "kernel" (:func:`layer_norm_backward`, GPUs), "interpret" (that kernel in Pallas' interpreter), "xla" (the two
+    passes of :func:`layer_norm`), "auto" (the kernel on GPUs, XLA elsewhere: :func:`jaxgpt.ops.platform`)."""
+    if backward not in ("auto", "kernel", "interpret", "xla"):
+        raise LayerNormKernelError(f"layer_norm_branch: backward = {backward!r}: allowed values are 'auto', 'kernel', "
+                                   "'interpret', 'xla'")
+    _check(x, scale, bias)
+    if x.dtype != jnp.float32:
+        raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream), got {x.dtype}")
+    return _branch(x, scale, bias, float(eps), backward)

@@ -46,8 +46,10 @@ class Policy:
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
     # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
-    # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass)
-    layer_norm: Literal["plain", "fused"] = "plain"
+    # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass) or "pallas" (the
+    # blocks' LayerNorms as (x, ln(x)) branches whose backward is one Pallas Triton kernel that also adds the residual
+    # stream's gradient, writing d(scale), d(bias) partial sums; on CPUs fused's two passes, so it trains as fused)
+    layer_norm: Literal["plain", "fused", "pallas"] = "plain"
     # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
     # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
@@ -66,8 +68,9 @@ class Policy:
     fp8: f8.Gemms = "none"
 
     def __post_init__(self) -> None:
-        if self.layer_norm not in ("plain", "fused"):
-            raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused'")
+        if self.layer_norm not in ("plain", "fused", "pallas"):
+            raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused', "
+                              "'pallas'")
         if self.gelu not in ("plain", "pallas"):
             raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):

@@ -32,7 +32,8 @@ class TrainConfig:
     # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.fp8); None: jaxgpt.fp8.DEFAULT_GEMMS
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
-    layer_norm: Literal["plain", "fused"] = "plain"  # Policy.layer_norm: fused = jaxgpt.norm's two-pass backward
+    layer_norm: Literal["plain", "fused", "pallas"] = "plain"  # Policy.layer_norm (jaxgpt.norm): fused = two-pass
+    # backward; pallas = one Pallas kernel that also adds the residual stream's gradient (GPUs; fused on CPUs)
     gelu: Literal["plain", "pallas"] = "plain"  # Policy.gelu: pallas = jaxgpt.gelu's one-kernel GELU backward (GPUs)
     # ---- optimizer --------------------------------------------------------------------------------------
     optim: OptimConfig = OptimConfig()

@@ -1,0 +1,201 @@
+"""jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient (in
+Pallas' interpreter) against the fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP
+against autodiff of the plain expression, a tiny GPT under the policy, the policy field, and the compiled tiny H100
+step holding the Pallas Triton kernel once per block LayerNorm.
+
+Bounds (derived, not fitted; u = 2^-24, fp32), as tests/test_norm.py derives them: LayerNorm's dx lies within
+gamma_{C+8} S_dx of the fp64 truth (C the width), d(scale) and d(bias) within gamma_{R+8} of their sums of absolute
+terms (R rows; Higham's bound holds for a sum in any order, so also for the kernel's per-block partial sums summed
+afterwards). The kernel's output dres + dx adds one rounding of at most u |dres + dx|, so it lies within
+gamma_{C+9} (S_dx + |dres|) of dres + the true dx (S_dx >= |dx|). Two implementations each within that bound of the
+truth lie within twice it of each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxgpt import norm
+from jaxgpt.config import ConfigError, GPTConfig
+from jaxgpt.model import GPT
+from jaxgpt.precision import Policy
+from tests.test_norm import EPS, _check, _gamma, _inputs, _truth
+
+U = 2.0 ** -24
+
+
+def _kernel_inputs(rows: int, dim: int, seed: int = 0):
+    x, dy, scale, bias = _inputs(rows, dim, seed)
+    dres = np.random.default_rng(seed + 7).standard_normal((rows, dim))
+    return x, dy, dres, scale, bias
+
+
+@pytest.mark.parametrize("rows, dim", [(300, 96), (40, 96), (256, 768)], ids=["ragged-rows", "small", "gpt2-width"])
+def test_kernel_matches_the_truth_and_the_two_pass_backward(rows, dim):
+    """The kernel (interpreted) on rows that are not a multiple of its 128-row block and widths that are not powers
+    of two (masked to 128 / 1024 columns): dres + dx within the derived bound of the fp64 truth, d(scale) and d(bias)
+    (the partial sums' sums: one row per 128 rows) within gamma_{R+8} of theirs, as is the fused two-pass backward."""
+    x, dy, dres, scale, bias = _kernel_inputs(rows, dim)
+    t = _truth(x, dy, scale, bias)
+    xj, dyj, dresj, sj = (jnp.asarray(a, jnp.float32) for a in (x, dy, dres, scale))
+    mean, rstd = norm._stats(xj, EPS)
+    out, ds, db = norm.layer_norm_backward(xj, dyj, dresj, mean, rstd, sj, interpret=True)
+    assert out.shape == (rows, dim) and out.dtype == jnp.float32
+    assert ds.shape == db.shape == (-(-rows // min(norm.BLOCK_ROWS, max(8, 1 << (rows - 1).bit_length()))), dim)
+    bound = _gamma(dim + 9, U) * (t["s_dx"] + np.abs(dres))
+    _check("kernel dres + dx", out, dres + t["dx"], bound)
+    _check("kernel dscale", ds.sum(0), t["dscale"], _gamma(rows + 8, U) * t["s_dscale"])
+    _check("kernel dbias", db.sum(0), t["dbias"], _gamma(rows + 8, U) * t["s_dbias"])
+    dx2, ds2, db2 = norm._backward_xla(xj, mean, rstd, sj, jnp.asarray(bias, jnp.float32), dyj)
+    _check("kernel vs two-pass dx", out, np.asarray(dresj + dx2, np.float64), 2 * bound)
+    _check("kernel vs two-pass dscale", ds.sum(0), np.asarray(ds2, np.float64), 2 * _gamma(rows + 8, U) * t["s_dscale"])
+    _check("kernel vs two-pass dbias", db.sum(0), np.asarray(db2, np.float64), 2 * _gamma(rows + 8, U) * t["s_dbias"])
+
+
+def test_kernel_takes_a_bf16_dy():
+    """A bf16 dy is read as bf16 and computed on in fp32: the same numbers as the fp32 dy it rounds to."""
+    x, dy, dres, scale, _ = _kernel_inputs(64, 96, seed=3)
+    xj, dresj, sj = (jnp.asarray(a, jnp.float32) for a in (x, dres, scale))
+    dyb = jnp.asarray(dy, jnp.bfloat16)
+    mean, rstd = norm._stats(xj, EPS)
+    got = norm.layer_norm_backward(xj, dyb, dresj, mean, rstd, sj, interpret=True)
+    want = norm.layer_norm_backward(xj, dyb.astype(jnp.float32), dresj, mean, rstd, sj, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_kernel_and_branch_refuse_what_they_cannot_take():
+    ones = jnp.ones((4, 8))
+    m = jnp.zeros((4, 1))
+    with pytest.raises(norm.LayerNormKernelError, match=r"one \(rows, embed\) shape.*reshape"):
+        norm.layer_norm_backward(ones, ones, jnp.ones((4, 16)), m, m, jnp.ones(8), interpret=True)
+    with pytest.raises(norm.LayerNormKernelError, match="float32 x and residual gradient.*float16"):
+        norm.layer_norm_backward(ones, ones.astype(jnp.float16), ones, m, m, jnp.ones(8), interpret=True)
+    with pytest.raises(norm.LayerNormKernelError, match=r"mean and rstd must be \(4, 1\)"):
+        norm.layer_norm_backward(ones, ones, ones, jnp.zeros(4), m, jnp.ones(8), interpret=True)
+    with pytest.raises(norm.LayerNormKernelError, match="backward = 'triton'"):
+        norm.layer_norm_branch(ones, jnp.ones(8), None, eps=EPS, backward="triton")
+    with pytest.raises(norm.LayerNormKernelError, match="float32 x.*bfloat16"):
+        norm.layer_norm_branch(ones.astype(jnp.bfloat16), jnp.ones(8), None, eps=EPS)
+    with pytest.raises(norm.LayerNormError, match="features"):
+        norm.layer_norm_branch(ones, jnp.ones(6), None, eps=EPS)
+
+
+def _plain_ln(x, scale, bias):
+    mean = x.mean(axis=-1, keepdims=True)
+    var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + EPS) * scale
+    return y + bias if bias is not None else y
+
+
+def _branch_grads(f, x, scale, bias, dxo, dy):
+    @jax.jit
+    def run(x, scale, bias):
+        (xo, y), vjp = jax.vjp(f, x, scale, bias)
+        return xo, y, *vjp((dxo, dy))
+    return run(x, scale, bias)
+
+
+@pytest.mark.parametrize("backward", ["xla", "interpret"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_branch_custom_vjp_against_autodiff(backward, with_bias):
+    """layer_norm_branch's values and its VJP with random cotangents for both outputs against autodiff of
+    ``(x, plain_ln(x))``: x passed through bit for bit, y within twice the fp32 bound, d_x = d_x_out + dx within twice
+    the kernel bound, d(scale) and d(bias) within twice gamma_{R+8} of their sums of absolute terms."""
+    rows, dim = 72, 96
+    x, dy, dxo, scale, bias = _kernel_inputs(rows, dim, seed=5)
+    bias = bias if with_bias else None
+    t = _truth(x, dy, scale, bias)
+    xj, dyj, dxoj, sj = (jnp.asarray(a, jnp.float32) for a in (x, dy, dxo, scale))
+    bj = None if bias is None else jnp.asarray(bias, jnp.float32)
+    got = _branch_grads(lambda x, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward),
+                        xj, sj, bj, dxoj, dyj)
+    want = _branch_grads(lambda x, s, b: (x, _plain_ln(x, s, b)), xj, sj, bj, dxoj, dyj)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(xj))
+    _check("y", got[1], np.asarray(want[1], np.float64), 2 * _gamma(dim + 8, U) * t["s_y"])
+    _check("d_x", got[2], np.asarray(want[2], np.float64), 2 * _gamma(dim + 9, U) * (t["s_dx"] + np.abs(dxo)))
+    _check("d_scale", got[3], np.asarray(want[3], np.float64), 2 * _gamma(rows + 8, U) * t["s_dscale"])
+    if with_bias:
+        _check("d_bias", got[4], np.asarray(want[4], np.float64), 2 * _gamma(rows + 8, U) * t["s_dbias"])
+    else:
+        assert got[4] is None and want[4] is None
+
+
+def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
+    """Losses of ``steps`` AdamW steps of the tiny GPT (a 256-token vocabulary) on one fixed batch of 2 x 16 tokens."""
+    monkeypatch.setattr(norm, "_resolve", lambda b: backward)
+    cfg = dataclasses.replace(GPTConfig.preset("tiny"), vocab_size=256)
+    idx = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
+    tgt = jnp.roll(idx, -1, axis=1)
+    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(params=0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    opt = optax.adamw(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(idx, tgt))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state, losses = opt.init(params), []
+    for _ in range(steps):
+        params, state, loss = step(params, state)
+        losses.append(float(loss))
+    return losses
+
+
+def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
+    """A tiny GPT (2 layers, n_embd 32) under Policy(layer_norm='pallas'), bf16 compute, with the GPU's backward (the
+    kernel, interpreted: LayerNorm gradients within fp32 rounding of the plain ones) takes 4 AdamW steps to the plain
+    policy's losses within 1e-4 relative (fp32 rounding differences, amplified by a few bf16 GEMM roundings and
+    AdamW's normalisation), and the losses fall; with the CPU's backward it trains exactly as layer_norm: fused."""
+    plain = _train(Policy.bf16(), "xla", monkeypatch)
+    assert plain[-1] < plain[0] - 0.05, plain
+    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
+        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+
+
+def test_policy_field_and_train_config():
+    from jaxgpt.compile.program import resolve_policy
+    from jaxgpt.train.config import TrainConfig
+
+    assert Policy().layer_norm == "plain" and TrainConfig.load(None, {}).layer_norm == "plain"
+    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(
+        layer_norm="pallas")
+    with pytest.raises(ConfigError, match="Policy.layer_norm = 'triton'.*'plain', 'fused', 'pallas'"):
+        Policy(layer_norm="triton")
+    with pytest.raises(ConfigError, match="layer_norm"):
+        TrainConfig.load(None, {"layer_norm": "fast"})
+
+
+def test_tiny_h100_step_runs_the_pallas_kernel_once_per_block_layer_norm_and_micro_step():
+    """The tiny step compiled for the H100 under layer_norm=pallas: one Pallas Triton custom call per block LayerNorm
+    (2 per layer) and micro-step, in LayerNorm's category, priced as a fusion at the least efficient measured fusion
+    rate; every GEMM of a class the calibration measured."""
+    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
+
+    if PLUGIN_PROBLEM is not None:
+        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
+    from jaxgpt.compile import calibrated, hlo
+
+    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("layer_norm=pallas",))
+    assert cs.policy.layer_norm == "pallas"
+    ks, _ = hlo.kernels(cs.hlo_text())
+    triton = [k for k in ks if k.opcode == "__gpu$xla.gpu.triton"]
+    assert len(triton) == 2 * cs.cfg.model.n_layer and all(k.count == cs.micro_steps for k in triton), [
+        (k.name, k.count) for k in triton]
+    assert all(k.category == "LayerNorm" for k in triton), [(k.category, k.op_name) for k in triton]
+    cal = calibrated.for_target("h100-sxm")
+    assert all(cal.rate(k)[1] for k in ks if k.gemm), sorted({k.gemm for k in ks if k.gemm and not cal.rate(k)[1]})
+    rate, known = cal.rate(triton[0])
+    worst = min((r for r in cal.rates.values() if r.kind == "fusion" and r.efficiency() > 0),
+                key=calibrated.Rate.efficiency)
+    assert not known and rate == worst
