@@ -45,11 +45,16 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
     ("MLP: GELU's backward as one Pallas kernel (bf16 dh and the bias gradient's partial sums in one pass; the c_fc "
      "GEMM's backward in its custom VJP)", "gelu=pallas", {
          "b64": "gelu-pallas-b64", "b16": "gelu-pallas-b16", "yaml": "gelu-pallas-gpt2-124m"}),
+    ("LayerNorm's backward as one Pallas kernel that also adds the residual stream's gradient (the blocks' LayerNorms "
+     "as (x, ln(x)) branches; d(scale), d(bias) as per-block partial sums)", "layer_norm=pallas", {
+         "b64": "layernorm-pallas-b64", "b16": "layernorm-pallas-b16", "yaml": "layernorm-pallas-gpt2-124m"}),
     ("all opt-in changes together: bf16-autocast + fused LayerNorm + grouped norm",
      "precision=bf16-autocast layer_norm=fused optim.grad_norm=grouped", {"b64": "combined-b64"}),
     ("all opt-in changes of the bf16 policy together: fused LayerNorm + grouped norm + Pallas GELU backward "
      "(gelu=pallas needs gemm_output float32, so not bf16-autocast)",
      "layer_norm=fused optim.grad_norm=grouped gelu=pallas", {"b64": "combined-bf16-gelu-b64"}),
+    ("the bf16 policy with both Pallas kernels: Pallas LayerNorm backward + Pallas GELU backward + grouped norm",
+     "layer_norm=pallas gelu=pallas optim.grad_norm=grouped", {"b64": "combined-bf16-lnpallas-gelu-b64"}),
 ]
 
 
