@@ -58,7 +58,7 @@ def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():
     assert set(VARIANT_POLICY) <= set(gpu_bench.OPT_IN_VARIANTS)
 
 
-@pytest.mark.slow  # 64-80 s on 2 cores (4 variants trained through the worker); the default variant's dry run covers
+@pytest.mark.slow  # 64-80 s on 2 cores (5 variants trained through the worker); the default variant's dry run covers
 def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):  # the same worker code path
     """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with the Pallas GELU backward) run
     through the GPU worker (dry: the CPU, a tiny batch), so the next lent GPU measures them beside jax_bf16 with
@@ -73,6 +73,7 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "fp8='all'" in policy["jax_fp8"]
     assert "compute_dtype='bfloat16'" in policy["jax_bf16_gelu_pallas"] and "gelu='pallas'" in policy["jax_bf16_gelu_pallas"]
     assert "gelu='plain'" in policy["jax_bf16_autocast"]
+    assert "compute_dtype='bfloat16'" in policy["jax_bf16_ln_pallas"] and "layer_norm='pallas'" in policy["jax_bf16_ln_pallas"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
