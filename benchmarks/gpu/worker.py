@@ -41,9 +41,12 @@ GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
                 "jax_autocast_fused_ln": ("jax", "bf16-autocast", True),
                 "jax_fp8": ("jax", "fp8", True),
                 "jax_bf16_gelu_pallas": ("jax", "bf16", True),
+                "jax_bf16_pallas": ("jax", "bf16", True),
                 "jax_bf16_ln_pallas": ("jax", "bf16", True)}
 VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_gelu_pallas": {"gelu": "pallas"},
-                  "jax_bf16_ln_pallas": {"layer_norm": "pallas"}}
+                  "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
+                  # both Pallas kernels: the bf16 program issue 32 predicts fastest (153 ms at b64); in the compare part
+                  "jax_bf16_pallas": {"layer_norm": "pallas", "gelu": "pallas"}}
 
 
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
