@@ -15,20 +15,17 @@ gradient sums R rows of fp32 dh: within sum 16 u S plus gamma_R sum |dh| of the 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 from jaxgpt import gelu, ops
-from jaxgpt.config import ConfigError, GPTConfig
-from jaxgpt.model import GPT
+from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
+from tests.tiny_training import tiny_adamw_losses
 
 U = 2.0 ** -24
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,27 +151,9 @@ def test_custom_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
 
 
 def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
-    """Losses of ``steps`` AdamW steps of the tiny GPT (a 256-token vocabulary: the MLPs are what is tested, and the
-    lm_head's 50,257 columns would triple the compile time) on one fixed batch of 2 x 16 tokens."""
+    """tests.tiny_training's AdamW losses with jaxgpt.gelu's backward forced to ``backward``."""
     monkeypatch.setattr(gelu, "_resolve", lambda b: backward)
-    cfg = dataclasses.replace(GPTConfig.preset("tiny"), vocab_size=256)
-    idx = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
-    tgt = jnp.roll(idx, -1, axis=1)
-    model = GPT(cfg, policy=policy, rngs=nnx.Rngs(params=0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    opt = optax.adamw(1e-2)
-
-    @jax.jit
-    def step(params, state):
-        loss, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(idx, tgt))(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    state, losses = opt.init(params), []
-    for _ in range(steps):
-        params, state, loss = step(params, state)
-        losses.append(float(loss))
-    return losses
+    return tiny_adamw_losses(policy, steps)
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
