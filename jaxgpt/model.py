@@ -14,6 +14,7 @@ Dtypes are decided by one :class:`~jaxgpt.precision.Policy` passed in at constru
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -171,14 +172,16 @@ class LayerNorm(nnx.Module):
             y = y + self.bias[...] if self.bias is not None else y
             return y.reshape(*lead, x.shape[-1])
 
-    def branch(self, x: Float[Array, "... embed"]) -> tuple[Float[Array, "... embed"], Float[Array, "... embed"]]:
-        """``(x, ln(x))``; under "pallas" one custom VJP whose backward also adds x's residual gradient (jaxgpt.norm)."""
+    def branch(self, x: Float[Array, "... embed"], copies: int = 1) -> tuple[Float[Array, "... embed"], ...]:
+        """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it; under "pallas" one custom
+        VJP whose backward also adds x's residual gradient and sums the copies' gradients itself (jaxgpt.norm)."""
         if self.impl != "pallas" or x.dtype != jnp.float32:
-            return x, self(x)
+            return (x,) + (self(x),) * copies
         with jax.named_scope("layer_norm"):
             bias = self.bias[...] if self.bias is not None else None
-            x_out, y = norm.layer_norm_branch(x.reshape(-1, x.shape[-1]), self.scale[...], bias, eps=self.eps)
-            return x_out.reshape(x.shape), y.reshape(x.shape)
+            x_out, *ys = norm.layer_norm_branch(x.reshape(-1, x.shape[-1]), self.scale[...], bias, eps=self.eps,
+                                                copies=copies)
+            return (x_out.reshape(x.shape), *(y.reshape(x.shape) for y in ys))
 
 
 class Linear(nnx.Module):
@@ -197,12 +200,15 @@ class Linear(nnx.Module):
         y = self.policy.matmul(x, self.kernel[...], gemm=self.gemm)  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
 
-    def split(self, x: Float[Array, "... d_in"], n: int) -> list[Float[Array, "... d_out/n"]]:
-        """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense."""
+    def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int
+              ) -> list[Float[Array, "... d_out/n"]]:
+        """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense. ``x``
+        may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies)."""
+        xs = list(x) if isinstance(x, (list, tuple)) else [x] * n
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
-        return [self.policy.matmul(x, wi, gemm=self.gemm) + (0 if bi is None else bi) for wi, bi in zip(w, b)]
+        return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi) for xi, wi, bi in zip(xs, w, b)]
 
 
 class CausalSelfAttention(nnx.Module):
@@ -215,18 +221,24 @@ class CausalSelfAttention(nnx.Module):
         self.dropout = config.dropout
         self.policy = policy
 
+    @property
+    def gemms(self) -> int:
+        """How many GEMMs read the attention's input: the one c_attn GEMM on CPUs, q, k and v's three on GPUs."""
+        return 1 if ops.platform() == "cpu" else 3
+
     def __call__(
         self,
-        x: Float[Array, "batch seq embed"],
+        x: Float[Array, "batch seq embed"] | Sequence[Float[Array, "batch seq embed"]],
         *,
         cache: KVCache | None = None,
         layer: int = 0,
         pos: Int[Array, ""] | int = 0,
         dropout_key: jax.Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
+        """``x``: the input, or one copy of it per GEMM that reads it (:attr:`gemms`; LayerNorm.branch's copies)."""
         attn_key, resid_key = _split(dropout_key, 2)
-        if ops.platform() == "cpu":
-            qkv = self.c_attn(x)  # (B, T, 3C)
+        if self.gemms == 1:
+            qkv = self.c_attn(x[0] if isinstance(x, (list, tuple)) else x)  # (B, T, 3C)
             # split, not a (three, ...) unpack: split's backward is one concatenate of dq, dk, dv, an unpack's is
             # three zero-padded copies of the whole qkv gradient (150 ms of a 6 s gpt2 124M step on 2 cores)
             qkv = jnp.split(qkv, 3, axis=-1)
@@ -300,7 +312,8 @@ class Block(nnx.Module):
     def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
         attn_key, mlp_key = _split(dropout_key, 2)
         # branch(x) is (x, ln(x)): under layer_norm: pallas its backward also adds the residual stream's gradient
-        x, h = self.ln_1.branch(x)
+        # and ln_1 hands the attention one copy of ln(x) per GEMM that reads it, whose gradients its backward sums
+        x, *h = self.ln_1.branch(x, copies=self.attn.gemms)
         a, cache = self.attn(h, cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
         x = x + a  # the residual stream stays fp32
         x, h = self.ln_2.branch(x)

@@ -25,6 +25,7 @@ blocks' LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also add
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Literal
 
@@ -139,14 +140,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(x_ref, dy_ref, dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *, block: int, sub: int,
-            width: int):
+def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int):
     """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
     ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
-    (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref."""
+    (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref. ``refs``: the ``n_dy``
+    parts of dy (summed here, in fp32), then the residual gradient, mean, rstd, scale, dx, ds and db."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    dy_refs, (dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref) = refs[:n_dy], refs[n_dy:]
     rows, cols = x_ref.shape
     i = pl.program_id(0)
     col = jnp.arange(width)
@@ -159,7 +161,9 @@ def _kernel(x_ref, dy_ref, dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_r
         ok = row_ok[:, None] & col_ok[None, :]
         at = (row[:, None], col[None, :])
         x = plgpu.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
-        dy = plgpu.load(dy_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+        dy = plgpu.load(dy_refs[0].at[at], mask=ok, other=0.0).astype(jnp.float32)
+        for dy_ref in dy_refs[1:]:  # the other GEMMs' input gradients: XLA would add them in a pass of its own
+            dy = dy + plgpu.load(dy_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         dres = plgpu.load(dres_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         mean = plgpu.load(mean_ref.at[row], mask=row_ok, other=0.0)[:, None]
         rstd = plgpu.load(rstd_ref.at[row], mask=row_ok, other=0.0)[:, None]
@@ -177,20 +181,25 @@ def _kernel(x_ref, dy_ref, dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_r
     plgpu.store(db_ref.at[i, col], d_bias, mask=col_ok)
 
 
-def _check_kernel(x, dy, dres, mean, rstd, scale) -> None:
-    if getattr(x, "ndim", 0) != 2 or not (tuple(x.shape) == tuple(dy.shape) == tuple(dres.shape)):
-        raise LayerNormKernelError(f"layer_norm_backward takes x, dy and the residual gradient of one (rows, embed) "
-                                   f"shape, got {tuple(x.shape)}, {tuple(dy.shape)} and {tuple(dres.shape)}; reshape "
-                                   "them with a.reshape(-1, a.shape[-1])")
-    if x.dtype != jnp.float32 or dres.dtype != jnp.float32 or dy.dtype not in (jnp.float32, jnp.bfloat16):
+def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
+    if not dys:
+        raise LayerNormKernelError("layer_norm_backward takes at least one dy")
+    shapes = [tuple(a.shape) for a in (x, *dys, dres)]
+    if getattr(x, "ndim", 0) != 2 or len(set(shapes)) != 1:
+        raise LayerNormKernelError(f"layer_norm_backward takes x, dy (or each of its parts) and the residual gradient "
+                                   f"of one (rows, embed) shape, got {', '.join(map(str, shapes))}; reshape them with "
+                                   "a.reshape(-1, a.shape[-1])")
+    dtypes = [a.dtype for a in dys]
+    if x.dtype != jnp.float32 or dres.dtype != jnp.float32 or any(d not in (jnp.float32, jnp.bfloat16) for d in dtypes):
         raise LayerNormKernelError(f"layer_norm_backward takes float32 x and residual gradient and a float32 or "
-                                   f"bfloat16 dy, got {x.dtype}, {dres.dtype} and {dy.dtype}")
+                                   f"bfloat16 dy, got {x.dtype}, {dres.dtype} and {', '.join(map(str, dtypes))}")
     if tuple(mean.shape) != (x.shape[0], 1) or tuple(rstd.shape) != (x.shape[0], 1) or scale.shape != x.shape[1:]:
         raise LayerNormKernelError(f"layer_norm_backward: mean and rstd must be ({x.shape[0]}, 1) and scale "
                                    f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, {tuple(scale.shape)}")
 
 
-def layer_norm_backward(x: Float[Array, "rows embed"], dy: Float[Array, "rows embed"],
+def layer_norm_backward(x: Float[Array, "rows embed"],
+                        dy: Float[Array, "rows embed"] | Sequence[Float[Array, "rows embed"]],
                         dres: Float[Array, "rows embed"], mean: Float[Array, "rows 1"], rstd: Float[Array, "rows 1"],
                         scale: Float[Array, " embed"], *, interpret: bool = False
                         ) -> tuple[Float[Array, "rows embed"], Float[Array, "row_blocks embed"],
@@ -198,22 +207,24 @@ def layer_norm_backward(x: Float[Array, "rows embed"], dy: Float[Array, "rows em
     """``(dres + dx, d_scale_partials, d_bias_partials)`` of the LayerNorm whose forward saved ``mean`` and ``rstd``,
     as one Pallas Triton kernel (``interpret=True``: Pallas' interpreter, on any backend): ``dx = rstd * (g - mean(g)
     - x_hat * mean(g * x_hat))`` with ``g = dy * scale``, and per block of :data:`BLOCK_ROWS` rows the fp32 column
-    sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). Ragged rows and an embedding that
-    is not a power of two are masked in the kernel, not padded in memory."""
+    sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). ``dy`` may be a sequence of parts
+    (the input gradients of the GEMMs that read the LayerNorm's output), summed in the kernel in fp32 in that order.
+    Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory."""
     from jax.experimental import pallas as pl  # here, not at import: Pallas adds ~0.2-0.3 s to `import jaxgpt.model`
     from jax.experimental.pallas import triton as plgpu
 
-    _check_kernel(x, dy, dres, mean, rstd, scale)
+    dys = tuple(dy) if isinstance(dy, (list, tuple)) else (dy,)
+    _check_kernel(x, dys, dres, mean, rstd, scale)
     rows, cols = x.shape
     block = min(BLOCK_ROWS, max(SUB_ROWS, _next_pow2(rows)))
     n = -(-rows // block)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
     return pl.pallas_call(
-        partial(_kernel, block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols))),
+        partial(_kernel, n_dy=len(dys), block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols))),
         out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32),
                    *[jax.ShapeDtypeStruct((n, cols), jnp.float32)] * 2),
         grid=(n,), interpret=interpret, name="layer_norm_backward_residual", **kwargs,
-    )(x, dy, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
+    )(x, *dys, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
 
 
 def _resolve(backward: Backward) -> Backward:
@@ -222,26 +233,30 @@ def _resolve(backward: Backward) -> Backward:
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _branch(x, scale, bias, eps, backward):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _branch(x, scale, bias, eps, backward, copies):
     mean, rstd = _stats(x, eps)
-    return x, _normalize(x, mean, rstd, scale, bias)
+    y = _normalize(x, mean, rstd, scale, bias)
+    return (x,) + (y,) * copies
 
 
-def _branch_fwd(x, scale, bias, eps, backward):
+def _branch_fwd(x, scale, bias, eps, backward, copies):
     y, res = _layer_norm_fwd(x, scale, bias, eps)
-    return (x, y), res
+    return (x,) + (y,) * copies, res
 
 
-def _branch_bwd(eps, backward, res, cotangents):
-    del eps  # inside rstd
-    d_x_out, dy = cotangents
+def _branch_bwd(eps, backward, copies, res, cotangents):
+    del eps, copies  # eps: inside rstd; copies: the cotangents' count
+    d_x_out, *dys = cotangents
     x, mean, rstd, scale, bias = res
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
+            dy = dys[0]
+            for part in dys[1:]:  # what autodiff would have added before the VJP
+                dy = dy + part
             dx, d_scale, d_bias = _backward_xla(*res, dy)
             return d_x_out.astype(x.dtype) + dx, d_scale, d_bias
-        dx, ds, db = layer_norm_backward(x, dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype),
+        dx, ds, db = layer_norm_backward(x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys],
                                          d_x_out.astype(x.dtype), mean, rstd, scale,
                                          interpret=_resolve(backward) == "interpret")
         return (dx, ds.sum(axis=0).astype(scale.dtype),
@@ -252,16 +267,24 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 
 
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
-                      bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto"
-                      ) -> tuple[Float[Array, "rows embed"], Float[Array, "rows embed"]]:
+                      bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
+                      copies: int = 1) -> tuple[Float[Array, "rows embed"], ...]:
     """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
     "kernel" (:func:`layer_norm_backward`, GPUs), "interpret" (that kernel in Pallas' interpreter), "xla" (the two
-    passes of :func:`layer_norm`), "auto" (the kernel on GPUs, XLA elsewhere: :func:`jaxgpt.ops.platform`)."""
+    passes of :func:`layer_norm`), "auto" (the kernel on GPUs, XLA elsewhere: :func:`jaxgpt.ops.platform`).
+
+    ``copies``: how many GEMMs read layer_norm(x). The result is ``(x, y_1, ..., y_copies)``, the same y each time;
+    given one copy per GEMM, the backward gets each GEMM's input gradient apart and the kernel sums them as it reads
+    them (on GPUs the attention's q, k and v projections are three GEMMs: their three fp32 input gradients were
+    added by an XLA pass of their own, 0.8 GB moved per layer at gpt2 b64)."""
     if backward not in ("auto", "kernel", "interpret", "xla"):
         raise LayerNormKernelError(f"layer_norm_branch: backward = {backward!r}: allowed values are 'auto', 'kernel', "
                                    "'interpret', 'xla'")
+    if not isinstance(copies, int) or copies < 1:
+        raise LayerNormKernelError(f"layer_norm_branch: copies = {copies!r}: the number of GEMMs that read the "
+                                   "LayerNorm's output, an int >= 1")
     _check(x, scale, bias)
     if x.dtype != jnp.float32:
         raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream), got {x.dtype}")
-    return _branch(x, scale, bias, float(eps), backward)
+    return _branch(x, scale, bias, float(eps), backward, copies)

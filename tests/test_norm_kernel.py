@@ -1,7 +1,7 @@
 """jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient (in
 Pallas' interpreter) against the fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP
 against autodiff of the plain expression, a tiny GPT under the policy, the policy field, and the compiled tiny H100
-step holding the Pallas Triton kernel once per block LayerNorm.
+step holding the Pallas Triton kernel once per block LayerNorm (ln_1's summing q, k and v's input gradients).
 
 Bounds (derived, not fitted; u = 2^-24, fp32), as tests/test_norm.py derives them: LayerNorm's dx lies within
 gamma_{C+8} S_dx of the fp64 truth (C the width), d(scale) and d(bias) within gamma_{R+8} of their sums of absolute
@@ -55,6 +55,51 @@ def test_kernel_matches_the_truth_and_the_two_pass_backward(rows, dim):
     _check("kernel vs two-pass dbias", db.sum(0), np.asarray(db2, np.float64), 2 * _gamma(rows + 8, U) * t["s_dbias"])
 
 
+def _exact_parts(dy: np.ndarray, n: int, seed: int) -> list[np.ndarray]:
+    """n parts of a dy on a 2^-10 grid (|part| < 8: 13 significant bits), so every partial sum of them is exact in
+    fp32 whatever the order: a kernel that sums the parts meets the same bound as one handed their sum."""
+    r = np.random.default_rng(seed)
+    parts = [np.round(r.standard_normal(dy.shape) * 2**10) / 2**10 for _ in range(n - 1)]
+    last = np.round(dy * 2**10) / 2**10 - sum(parts)
+    assert all(np.abs(p).max() < 8 for p in (*parts, last)), "rescale the parts"
+    return [*parts, last]
+
+
+@pytest.mark.parametrize("backward", ["xla", "interpret"])
+def test_kernel_and_branch_sum_the_gemms_input_gradients(backward):
+    """layer_norm_branch(copies=3): the attention's q, k and v GEMMs each read their own copy of ln(x) and hand back
+    their own input gradient; the backward (the kernel, interpreted, or the two XLA passes) sums the three. With
+    parts whose sums are exact in fp32, d_x, d(scale) and d(bias) meet the one-dy bounds of the fp64 truth of their
+    sum; the forward's copies are ln(x) bit for bit."""
+    rows, dim = 300, 96
+    x, dy, dres, scale, bias = _kernel_inputs(rows, dim, seed=11)
+    parts = _exact_parts(dy, 3, seed=12)
+    dy = sum(parts)  # exact: the grid's sums
+    t = _truth(x, dy, scale, bias)
+    xj, dresj, sj, bj = (jnp.asarray(a, jnp.float32) for a in (x, dres, scale, bias))
+    pj = [jnp.asarray(p, jnp.float32) for p in parts]
+
+    @jax.jit
+    def run(x, s, b):
+        outs, vjp = jax.vjp(lambda x, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward, copies=3),
+                            x, s, b)
+        return outs, vjp((dresj, *pj))
+
+    (x_out, *ys), (d_x, d_s, d_b) = run(xj, sj, bj)
+    np.testing.assert_array_equal(np.asarray(x_out), np.asarray(xj))
+    one = jax.jit(lambda x, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward)[1])(xj, sj, bj)
+    assert len(ys) == 3 and all(np.array_equal(np.asarray(y), np.asarray(one)) for y in ys)
+    _check("d_x", d_x, dres + t["dx"], _gamma(dim + 9, U) * (t["s_dx"] + np.abs(dres)))
+    _check("d_scale", d_s, t["dscale"], _gamma(rows + 8, U) * t["s_dscale"])
+    _check("d_bias", d_b, t["dbias"], _gamma(rows + 8, U) * t["s_dbias"])
+    if backward == "interpret":  # the kernel handed the parts sums them as the kernel handed their sum would
+        mean, rstd = norm._stats(xj, EPS)
+        got = norm.layer_norm_backward(xj, pj, dresj, mean, rstd, sj, interpret=True)
+        want = norm.layer_norm_backward(xj, jnp.asarray(dy, jnp.float32), dresj, mean, rstd, sj, interpret=True)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_kernel_takes_a_bf16_dy():
     """A bf16 dy is read as bf16 and computed on in fp32: the same numbers as the fp32 dy it rounds to."""
     x, dy, dres, scale, _ = _kernel_inputs(64, 96, seed=3)
@@ -82,6 +127,12 @@ def test_kernel_and_branch_refuse_what_they_cannot_take():
         norm.layer_norm_branch(ones.astype(jnp.bfloat16), jnp.ones(8), None, eps=EPS)
     with pytest.raises(norm.LayerNormError, match="features"):
         norm.layer_norm_branch(ones, jnp.ones(6), None, eps=EPS)
+    with pytest.raises(norm.LayerNormKernelError, match="copies = 0: the number of GEMMs"):
+        norm.layer_norm_branch(ones, jnp.ones(8), None, eps=EPS, copies=0)
+    with pytest.raises(norm.LayerNormKernelError, match="at least one dy"):
+        norm.layer_norm_backward(ones, [], ones, m, m, jnp.ones(8), interpret=True)
+    with pytest.raises(norm.LayerNormKernelError, match=r"\(4, 8\), \(4, 8\), \(4, 16\), \(4, 8\)"):
+        norm.layer_norm_backward(ones, [ones, jnp.ones((4, 16))], ones, m, m, jnp.ones(8), interpret=True)
 
 
 def _plain_ln(x, scale, bias):
@@ -142,6 +193,21 @@ def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
         Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
 
 
+def test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_losses(monkeypatch):
+    """The GPU's attention (q, k and v as three GEMMs, so ln_1 hands out three copies and its kernel sums their
+    input gradients), run here by making CausalSelfAttention.gemms 3: under layer_norm=pallas with the kernel
+    (interpreted) the tiny GPT takes 4 AdamW steps to the plain policy's losses (the same three GEMMs, autodiff's
+    sum) within 1e-4 relative, as in the test above; with the CPU's backward, to layer_norm: fused's exactly."""
+    from jaxgpt.model import CausalSelfAttention
+
+    monkeypatch.setattr(CausalSelfAttention, "gemms", property(lambda self: 3))
+    plain = _train(Policy.bf16(), "xla", monkeypatch)
+    assert plain[-1] < plain[0] - 0.05, plain
+    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
+        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+
+
 def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
@@ -172,6 +238,11 @@ def test_tiny_h100_step_runs_the_pallas_kernel_once_per_block_layer_norm_and_mic
     assert len(triton) == 2 * cs.cfg.model.n_layer and all(k.count == cs.micro_steps for k in triton), [
         (k.name, k.count) for k in triton]
     assert all(k.category == "LayerNorm" for k in triton), [(k.category, k.op_name) for k in triton]
+    # ln_1's kernels read q, k and v's three input gradients (two more (rows, embed) fp32 arrays than ln_2's one dy),
+    # and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here)
+    rows_embed = cs.micro_batch * cs.cfg.seq_len * cs.cfg.model.n_embd * 4
+    assert sorted({k.bytes for k in triton}) == [min(k.bytes for k in triton), min(k.bytes for k in triton) + 2 * rows_embed]
+    assert [k.name for k in ks if k.op_name.endswith("add_any") and k.category != "GELU"] == []
     cal = calibrated.for_target("h100-sxm")
     assert all(cal.rate(k)[1] for k in ks if k.gemm), sorted({k.gemm for k in ks if k.gemm and not cal.rate(k)[1]})
     rate, known = cal.rate(triton[0])
