@@ -55,6 +55,12 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
      "layer_norm=fused optim.grad_norm=grouped gelu=pallas", {"b64": "combined-bf16-gelu-b64"}),
     ("the bf16 policy with both Pallas kernels: Pallas LayerNorm backward + Pallas GELU backward + grouped norm",
      "layer_norm=pallas gelu=pallas optim.grad_norm=grouped", {"b64": "combined-bf16-lnpallas-gelu-b64"}),
+    ("LayerNorm kernel: ln_1 hands the attention's q, k and v GEMMs one copy of ln(x) each, and its backward kernel "
+     "sums their three fp32 input gradients as it reads them (no XLA add pass: 0.8 GB per layer at b64)",
+     "layer_norm=pallas", {"b64": "layernorm-pallas-qkv-b64", "b16": "layernorm-pallas-qkv-b16",
+                           "yaml": "layernorm-pallas-qkv-gpt2-124m"}),
+    ("the bf16 policy with both Pallas kernels (ln_1's kernel summing q, k and v's gradients) + grouped norm",
+     "layer_norm=pallas gelu=pallas optim.grad_norm=grouped", {"b64": "combined-bf16-lnpallas-qkv-gelu-b64"}),
 ]
 
 
