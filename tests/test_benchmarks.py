@@ -425,6 +425,25 @@ def test_issue_32s_table_of_changes_reads_the_committed_predictions_and_is_in_be
     assert ("**Not met by any row.**" in text) == (not met)
 
 
+def test_issue_32s_micro_batch_split_reads_the_measured_bench_and_shows_the_fixed_cost():
+    """changes.scaling_rows (item 3): step(b) = b x per-row + fixed through the measured b16 and b64 steps of the
+    committed H100 bench, per variant: the line passes through both points, and jaxgpt's b16 gap to torch.compile
+    is its fixed cost (13.9 against 3.4 ms) while the per-row costs are within 2%."""
+    from benchmarks.gpu import changes
+
+    assert changes.scale_fit((16, 10.0), (64, 34.0)) == {"per_row": 0.5, "fixed": 2.0}
+    rows = {label.split(",")[0]: (steps, fit) for label, steps, fit in changes.scaling_rows()}
+    jax_steps, jax_fit = rows["jaxgpt bf16"]
+    torch_fit = rows["torch_ref torch.compile bf16"][1]
+    assert jax_steps == pytest.approx({16: 54.6, 64: 176.6}, abs=0.05)
+    for steps, fit in (rows["jaxgpt bf16"], rows["torch_ref torch.compile bf16"], rows["jaxgpt baseline"]):
+        for b in (16, 64):
+            assert b * fit["per_row"] + fit["fixed"] == pytest.approx(steps[b])
+    assert round(jax_fit["fixed"], 1) == 13.9 and round(torch_fit["fixed"], 1) == 3.4
+    assert abs(jax_fit["per_row"] / torch_fit["per_row"] - 1) < 0.02
+    assert "| jaxgpt bf16, measured (H100, 2026-11-26) | 54.6 | 176.6 | 40.7 | 13.9 |" in changes.OUT.read_text()
+
+
 def test_issue_32s_budget_splits_the_baseline_prediction_into_what_stays_and_what_must_shrink():
     """changes.budget: the baseline's FLOP-priced kernels (GEMMs, cuDNN attention) + host + the memory-bound rest is
     its whole prediction, the rest summed the other way (its fusion and copy classes), and the cut is the share of
