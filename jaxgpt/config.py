@@ -36,6 +36,8 @@ def _check_type(cls_name: str, name: str, value: Any, tp: Any) -> Any:
                 return _check_type(cls_name, name, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # `X | None`: X's own message (allowed values, expected kind), null named too
+            raise ConfigError(errors[0] + (" (or null)" if type(None) in args else ""))
         raise ConfigError(f"{cls_name}.{name} = {value!r}: expected {_type_name(tp)}")
     if origin is typing.Literal:
         allowed = typing.get_args(tp)

@@ -97,6 +97,16 @@ def _logits_dtype(name) -> jnp.dtype:
     return dt
 
 
+def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
+    """``x`` rounded to ``dtype``'s precision (round to nearest even), kept in its own dtype: the value of
+    ``x.astype(dtype).astype(x.dtype)`` as one ``reduce_precision`` op, which no fusion mistakes for a no-op."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= x.dtype.itemsize:
+        return x
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _head_logits(a, b, precision, logits_dtype, mask_padded
                  ) -> tuple[Float[Array, "rows vocab"], Float[Array, "rows vocab"]]:
     """A chunk's logits ``a @ b^T`` as the GEMM wrote them, and as the loss reads them: fp32 values, padded columns
@@ -109,15 +119,22 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
     that nothing is fused into it as an epilogue: the -inf mask (and a bf16 -> fp32 convert) then fuse into the two
     passes that read the logits anyway. Without it XLA fused the mask into the Triton GEMM, and the GPU, whose
     autotuner picks cuBLAS for this GEMM, ran it as a pass of its own that read and rewrote the chunk's fp32 logits
-    (8.7 ms per b64 micro-step on the H100, 2026-11-26). On CPU the fp32 result is rounded to ``logits_dtype``."""
+    (8.7 ms per b64 micro-step on the H100, 2026-11-26). On CPU, and for fp32 operands on GPUs, the fp32 result is
+    rounded to ``logits_dtype``."""
     if ops.platform() == "cpu":
-        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32).astype(logits_dtype)
-    else:
-        raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=logits_dtype)
-        if not LOGITS_BARRIER:  # the 2026-11-26 program: the mask fused into the GEMM, the targets gathered behind it
-            logits = mask_padded(raw.astype(jnp.float32))
-            return logits, logits
-        raw = lax.optimization_barrier(raw)
+        acc = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=jnp.float32)
+        # rounded in place (fp32 values on bf16's grid), not by an fp32 -> bf16 -> fp32 convert pair: XLA:CPU's
+        # YNNPACK fusions (jax 0.10.2) drop such a pair when they fuse it with the dot and the reductions (under
+        # jax.grad alone, the loss unused, the rounding vanished from the gradient)
+        acc = round_to(acc, logits_dtype)
+        return acc.astype(logits_dtype), mask_padded(acc)
+    # a GEMM cannot write a narrower dtype than its operands' (fp32 compute): fp32 then, rounded behind it
+    written = logits_dtype if a.dtype.itemsize <= logits_dtype.itemsize else jnp.dtype(jnp.float32)
+    raw = lax.dot_general(a, b, _NT, precision=precision, preferred_element_type=written).astype(logits_dtype)
+    if not LOGITS_BARRIER:  # the 2026-11-26 program: the mask fused into the GEMM, the targets gathered behind it
+        logits = mask_padded(raw.astype(jnp.float32))
+        return logits, logits
+    raw = lax.optimization_barrier(raw)
     return raw, mask_padded(raw.astype(jnp.float32))
 
 

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float
 from jaxgpt import fp8 as f8
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
+from jaxgpt.fused_loss import round_to
 
 DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
@@ -61,7 +62,9 @@ class Policy:
     # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
     gemm_output: Literal["float32", "bfloat16"] = "float32"
     # the dtype the lm_head's logits are written in (jaxgpt.fused_loss: logits_dtype); the loss and its gradient
-    # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float())
+    # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float()),
+    # named by bf16_autocast and an opt-in of the others (TrainConfig.logits_dtype; its loss bound:
+    # parity_tests/tolerances.py, bf16 logits). With fp32 compute the fp32 GEMM result is rounded to bf16
     logits_dtype: Literal["float32", "bfloat16"] = "float32"
     # which forward GEMMs take e4m3 operands (jaxgpt.fp8: per-tensor current scaling, fp32 accumulation, backward
     # in compute_dtype): "none", "lm_head", "mlp", "mlp+lm_head" or "all" (+ the attention projections)
@@ -73,6 +76,8 @@ class Policy:
                               "'pallas'")
         if self.gelu not in ("plain", "pallas"):
             raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas'")
+        if self.logits_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
             raise ConfigError(f"Policy.param_dtype = {self.param_dtype!r}: parameters are kept in float32 (float64 "
                               "only for the float64 reference policy, Policy.fp64()); use compute_dtype='bfloat16' "
@@ -128,13 +133,22 @@ class Policy:
         return cls(compute_dtype="float64", param_dtype="float64", attention="reference", fast_kernels=False)
 
     @classmethod
-    def named(cls, name: str, *, fp8_gemms: str | None = None, **kw) -> "Policy":
-        """'fp32', 'bf16', 'bf16-autocast' (:meth:`bf16_autocast`), or 'auto' (see ``default_compute``)."""
+    def named(cls, name: str, *, fp8_gemms: str | None = None, logits_dtype: str | None = None, **kw) -> "Policy":
+        """'fp32', 'bf16', 'bf16-autocast' (:meth:`bf16_autocast`), 'fp8' or 'auto' (see ``default_compute``).
+        ``logits_dtype``: the lm_head's logits dtype (:attr:`logits_dtype`); None: the named policy's own (bf16 under
+        bf16-autocast, fp32 otherwise). bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16: fp32
+        logits there are refused."""
         if name == "auto":
             name = default_compute()
         if fp8_gemms is not None and name != "fp8":
             raise ConfigError(f"fp8_gemms = {fp8_gemms!r} selects the e4m3 GEMMs of precision: fp8, but precision is "
                               f"{name!r}: set precision: fp8 or drop fp8_gemms")
+        if name == "bf16-autocast" and logits_dtype not in (None, "bfloat16"):
+            raise ConfigError(f"logits_dtype = {logits_dtype!r} with precision bf16-autocast: that policy is "
+                              "torch.autocast's numerics, whose lm_head writes bf16 logits; drop logits_dtype (or use "
+                              "precision: bf16 for fp32 logits)")
+        if logits_dtype is not None and name != "bf16-autocast":
+            kw["logits_dtype"] = logits_dtype
         if name in ("fp32", "float32"):
             return cls.fp32(**kw)
         if name in ("bf16", "bfloat16"):
@@ -174,7 +188,7 @@ class Policy:
         """Logits rounded to ``logits_dtype`` and returned in their own dtype (fp32): torch_ref's ``.float()``."""
         if self.logits_dtype == "float32":  # no rounding beyond the accumulation's (fp64 stays fp64)
             return logits
-        return logits.astype(self.logits_dtype).astype(logits.dtype)
+        return round_to(logits, self.logits_dtype)  # not a convert pair: XLA:CPU's fusions may drop one
 
     def cast(self, x: Array) -> Array:
         """Cast a matmul operand to the compute dtype."""

@@ -18,8 +18,8 @@ from conftest import (ATTN_PEAK, CHECKPOINTS, PEAKED_WTE_SCALE, jax_logits_and_l
 from jaxgpt.model import cross_entropy
 from jaxgpt.precision import Policy
 from jaxgpt.weights import from_hf
-from tolerances import (BF16_MARGIN_SIGMAS, BF16_MEAN_KL, BF16_TOP1, BF16_TOP1_DECIDED, LOSS_FP32_REL,
-                        fp32_logits_pairwise)
+from tolerances import (BF16_MARGIN_SIGMAS, BF16_MEAN_KL, BF16_TOP1, BF16_TOP1_DECIDED, BF16_UNIT_ROUNDOFF,
+                        LOSS_FP32_REL, fp32_logits_pairwise)
 BATCH = {"tiny": 2, "odd": 2, "gpt2": 2}  # fp32; bf16 uses BF16_BATCH for a finer top-1 fraction
 BF16_BATCH = 4
 
@@ -139,10 +139,12 @@ def _log_softmax64(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def bf16_metrics(fp32_logits: np.ndarray, bf16_logits: np.ndarray) -> dict[str, float]:
+def bf16_metrics(fp32_logits: np.ndarray, bf16_logits: np.ndarray, *, rounded_logits: bool = False
+                 ) -> dict[str, float]:
     """Mean per-token KL(p_fp32 || p_bf16) in nats, top-1 agreement over all positions and over the positions whose
     fp32 top-1/top-2 margin exceeds BF16_MARGIN_SIGMAS x the bf16 error scale (the RMS of bf16 - fp32 logits), and
-    the max logit difference."""
+    the max logit difference. ``rounded_logits`` (the logits themselves rounded to bf16): a decided margin must also
+    exceed what that rounding alone can close, u (|z_1| + |z_2|) (tolerances.py, bf16 logits)."""
     lp, lq = _log_softmax64(fp32_logits), _log_softmax64(bf16_logits)
     kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
     agree = fp32_logits.argmax(-1) == bf16_logits.argmax(-1)
@@ -150,12 +152,21 @@ def bf16_metrics(fp32_logits: np.ndarray, bf16_logits: np.ndarray) -> dict[str, 
     margin = top2[..., 1] - top2[..., 0]
     sigma = float(np.sqrt(np.mean((bf16_logits.astype(np.float64) - fp32_logits) ** 2)))
     decided = margin > BF16_MARGIN_SIGMAS * sigma
+    if rounded_logits:
+        decided &= margin > BF16_MARGIN_SIGMAS * sigma + BF16_UNIT_ROUNDOFF * np.abs(top2).sum(-1)
     return dict(mean_kl=float(kl.mean()), top1=float(agree.mean()), max_abs=_max_abs(fp32_logits, bf16_logits),
                 bf16_error_rms=sigma, decided_positions=int(decided.sum()), positions=int(agree.size),
                 top1_decided=float(agree[decided].mean()) if decided.any() else float("nan"))
 
 
-@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+def bf16_policy(precision: str, **kw) -> Policy:
+    """The named bf16 policies, and "bf16-logits": precision bf16 with logits_dtype bfloat16 (tolerances.py)."""
+    if precision == "bf16-logits":
+        return Policy.named("bf16", logits_dtype="bfloat16", **kw)
+    return Policy.named(precision, **kw)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast", "bf16-logits"])
 @pytest.mark.parametrize("wte_scale", [1.0, PEAKED_WTE_SCALE], ids=["init", "peaked"])
 @pytest.mark.parametrize("name", _checkpoint_params(list(CHECKPOINTS), slow=("gpt2",)))
 def test_bf16_against_fp32(name, wte_scale, precision, device, oracles, parity_report):
@@ -169,15 +180,17 @@ def test_bf16_against_fp32(name, wte_scale, precision, device, oracles, parity_r
     gap = float(np.median(s[..., -1] - s[..., -2]))
 
     with on_device(device):
-        model = from_hf(o["directory"], policy=Policy.named(precision))
+        model = from_hf(o["directory"], policy=bf16_policy(precision))
         jax_logits, _ = jax_logits_and_loss(model, o["tokens"])
     with torch.no_grad(), torch.autocast(device_type=device, dtype=torch.bfloat16):
         ref_logits = o["ref_model"](torch.from_numpy(o["tokens"]).to(device))[0].float().cpu().numpy()
 
-    results = {"jaxgpt": bf16_metrics(o["hf"], jax_logits), "torch_ref_autocast": bf16_metrics(o["hf"], ref_logits)}
+    results = {"jaxgpt": bf16_metrics(o["hf"], jax_logits, rounded_logits=precision == "bf16-logits"),
+               "torch_ref_autocast": bf16_metrics(o["hf"], ref_logits)}
     tag = precision if wte_scale == 1.0 else f"{precision}-peaked"
     # how far jaxgpt's bf16 logits sit from torch's autocast logits (RMS; the share of logits bit for bit equal): the
-    # bf16-autocast policy rounds where autocast does, so it should sit closer than the bf16 policy (reported)
+    # bf16-autocast policy rounds where autocast does, so it should sit closer than the bf16 policy (reported);
+    # bf16-logits rounds only the logits as autocast does (torch_ref has no such mode: no like-for-like pair)
     to_torch = dict(rms_to_torch_autocast=float(np.sqrt(np.mean((jax_logits.astype(np.float64) - ref_logits) ** 2))),
                     equal_to_torch_autocast=float(np.mean(jax_logits == ref_logits)))
     for impl, m in results.items():

@@ -70,6 +70,68 @@ def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
     envelope = max(abs(a - b) for a, b in zip(torch_bf16_losses, torch_fp32_losses, strict=True))
     return [LOSS_FP32_REL * abs(loss) + BF16_TRAIN_NOISE_FACTOR * envelope for loss in torch_fp32_losses]
 
+# logits_dtype: bfloat16 (Policy.logits_dtype; TrainConfig.logits_dtype, an opt-in of precision bf16 / fp8 / fp32 and
+# bf16-autocast's own): the lm_head's fp32-accumulated logits z are written once in bf16 (jaxgpt.fused_loss), the loss
+# and its gradient then computed in fp32 from them. Rounding to nearest with 8 significant bits moves a logit by at
+# most half an ulp of its binade, |d_v| = |bf16(z_v) - z_v| <= u |z_v| with u = BF16_UNIT_ROUNDOFF = 2^-8 (not 2^-9:
+# 1 + 2^-8 is a tie that rounds to 1, a relative error of 2^-8 / (1 + 2^-8); measured max |d| / |z| = 0.996 u over a
+# tiny GPT's logits). The bound grows with |z| itself, not with the logits' spread: a common offset of the logits
+# cancels in the softmax but not in their rounding.
+# * Loss. CE_i = lse(z_i) - z_i[y_i], and lse(z + d) - lse(z) lies in [min_v d_v, max_v d_v] (lse is monotone and
+#   lse(z + c) = lse(z) + c), so CE_i moves by an amount in [min d - d_y, max d - d_y]:
+#       |dCE_i| <= range_v(d_iv) <= 2 u max_v |z_iv|   (bf16_logits_loss_bounds),
+#   the mean loss by at most the mean of these. Tight per position: where p_i sits on one token a != y_i,
+#   dCE_i ~ d_a - d_y, two roundings that may have opposite signs; measured (a tiny GPT, 512 positions, logits up to
+#   0.7 / 27, on the AVX2-only AMD EPYC; tests/test_logits_dtype.py runs the second) max_i |dCE_i| / range_i = 0.56 /
+#   0.92 and max_i |dCE_i| / (2 u max|z_i|) = 0.36 / 0.53. For the mean it is the worst case of every position's
+#   roundings adding up; independent roundings cancel (measured |dL| / bound = 0.004 / 0.023), so the mean loss is
+#   held instead to what its own rounded logits say: cross_entropy_shift below with the actual d, whose remainder
+#   bound mean_i range_i^2 / 8 measured 6.4x below |dL| (3.3e-3) on the peaked model.
+# * Gradient with respect to the logits: d CE_i / d z_iv = p_iv - [v = y_i]. With the rounded logits
+#   p~_v = p_v exp(d_v - dlse), |d_v - dlse| <= range(d) <= 2 u L (L: the largest |logit|), so
+#   |p~_v - p_v| <= p_v (e^{2uL} - 1): at most e^{2uL} - 1 ~ 2uL of the unit L1 mass of p per position. The fused loss
+#   then rounds (p - onehot) / M to the compute dtype before its two GEMMs (bf16: relative u, on both sides), adding
+#   u (p~ + p + 2 onehot) / M per element; dh = dlogits W and dW = dlogits^T h carry that through |W| and |h|
+#   (bf16_logits_grad_bounds; the fp32 accumulation of those GEMMs is ~1e-7 relative, far below). Measured on the
+#   peaked tiny GPT: the largest |d dh| and |d dW| 0.23 and 0.28 of their bounds.
+# * Logits parity (test_logits_parity.test_bf16_against_fp32, "bf16-logits"): the bf16 KL bound above (one more 2^-8
+#   rounding per logit on top of bf16's operands; measured mean KL 1.0e-7 - 1.2e-6, as bf16-autocast's). Top-1 on
+#   decided positions: rounding both leading logits to bf16 can close their gap by up to u (|z_1| + |z_2|) whatever
+#   the RMS error (two logits within one bf16 ulp may round to the same value, and argmax then takes the lower index),
+#   so a position counts as decided only where fp32's margin also exceeds BF16_MARGIN_SIGMAS x the RMS plus that
+#   (without it: 1 of 250 and 1 of 144 decided positions of the random inits tied so, 0.996 / 0.993 < 0.999; with
+#   it 229 and 136 positions, all agreeing). torch's autocast logits and the bf16-autocast policy are rounded the same
+#   way and keep the criterion without the term (unchanged; they pass it on these checkpoints).
+# * 20 AdamW steps (test_train_parity, "bf16-logits"): bf16_train_loss_bound, as bf16 and bf16-autocast: the rounding
+#   adds a fresh draw of noise of the size bf16-autocast's own logits rounding adds, inside torch.autocast's envelope
+#   (whose logits are bf16 too). Measured: 7.4e-5 from its fp32 run (0.88x torch's envelope 8.4e-5), 6.0e-5 from
+#   torch autocast; final parameters 9.84e-3 from its fp32 run (1.00x torch's).
+
+
+def bf16_logits_loss_bounds(logits):
+    """Per position (``logits``: fp32 logits ``(..., vocab)``), the a-priori bound 2 u max_v |z_v| on how far rounding
+    the logits to bf16 moves that position's cross-entropy (see above), in float64."""
+    import numpy as np
+
+    return 2 * BF16_UNIT_ROUNDOFF * np.abs(np.asarray(logits, np.float64)).max(-1)
+
+
+def bf16_logits_grad_bounds(logits, targets, h, w):
+    """Elementwise bounds on |dh| and |dW| between the fused loss with bf16 and with fp32 logits (bf16 compute): the
+    mean cross-entropy of ``logits = h w^T`` (``logits``: the fp32 logits (M, V), ``targets`` (M,), ``h`` (M, C) and
+    ``w`` (V, C) the GEMM's operands as it reads them), in float64 (see above)."""
+    import numpy as np
+
+    u = BF16_UNIT_ROUNDOFF
+    z = np.asarray(logits, np.float64)
+    M, V = z.shape
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    onehot = np.eye(V)[np.asarray(targets).reshape(-1)]
+    grow = np.expm1(2 * u * np.abs(z).max())
+    dl = grow * p + u * (p * (2 + grow) + 2 * onehot)  # bound on |d~logits - dlogits| * M, per element
+    return dl @ np.abs(np.asarray(w, np.float64)) / M, dl.T @ np.abs(np.asarray(h, np.float64)) / M
+
 # Training (issue: training parity): per-step loss and final params after a few optimizer steps, fp32.
 TRAIN_LOSS_ABS = 1e-5
 TRAIN_PARAM_REL = 1e-4

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -18,8 +20,11 @@ import pytest
 
 from jaxgpt import fused_loss, ops
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity_tests"))
+from tolerances import BF16_UNIT_ROUNDOFF, bf16_logits_grad_bounds  # noqa: E402
+
 F32, BF16 = jnp.float32, jnp.bfloat16
-U = 2.0**-9  # bf16's unit roundoff (round to nearest even, 8 significant bits)
+U = BF16_UNIT_ROUNDOFF  # bf16's unit roundoff, 2^-8 (round to nearest even, 8 significant bits: tolerances.py)
 B, T, C, VP, V = 3, 5, 16, 72, 67  # 15 rows; 72 head rows of which 67 are the real vocabulary
 
 
@@ -82,24 +87,11 @@ def test_bf16_logits_are_the_plain_loss_of_the_rounded_logits(monkeypatch, budge
 
 
 def _bf16_bounds(h, w, t):
-    """Elementwise bounds on |bf16-logits result - fp32-logits result| (loss, dh, dW), from the rounding alone.
-
-    Each logit is rounded once, |d_i| <= u |l_i| <= u L (L: the largest |logit|). Then
-    * the loss: lse moves by at most max|d_i| and the target logit by at most u L: |dloss| <= 2 u L;
-    * the softmax: p~_i = p_i exp(d_i - dlse) with |d_i - dlse| <= 2 u L, so |p~_i - p_i| <= p_i (e^{2uL} - 1);
-      dh = (p - onehot) W / M and dW^T = (p - onehot)^T h / M carry that through |W| and |h|;
-    * both paths then round dlogits to bf16 (relative u each): |d~logits| + |dlogits| <= (p~ + p + 2 onehot).
-    """
+    """Elementwise bounds on |bf16-logits result - fp32-logits result| (loss, dh, dW), from the rounding alone
+    (derived in parity_tests/tolerances.py, bf16 logits): |dloss| <= 2 u L (L: the largest |logit|), dh and dW
+    through the softmax's change and both paths' bf16 rounding of dlogits."""
     lf = np.asarray(_logits(h, w), np.float64).reshape(-1, V)
-    hs, ws = np.abs(np.asarray(h, np.float64).reshape(-1, C)), np.abs(np.asarray(w[:V], np.float64))
-    M = lf.shape[0]
-    L = np.abs(lf).max()
-    p = np.exp(lf - lf.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    onehot = np.eye(V)[np.asarray(t).reshape(-1)]
-    grow = np.expm1(2 * U * L)
-    dl = grow * p + U * (p * (2 + grow) + 2 * onehot)  # bound on |d~logits - dlogits| * M, per element
-    return 2 * U * L, dl @ ws / M, dl.T @ hs / M
+    return (2 * U * np.abs(lf).max(), *bf16_logits_grad_bounds(lf, t, np.asarray(h).reshape(-1, C), w[:V]))
 
 
 @CHUNKS

@@ -35,6 +35,10 @@ class TrainConfig:
     layer_norm: Literal["plain", "fused", "pallas"] = "plain"  # Policy.layer_norm (jaxgpt.norm): fused = two-pass
     # backward; pallas = one Pallas kernel that also adds the residual stream's gradient (GPUs; fused on CPUs)
     gelu: Literal["plain", "pallas"] = "plain"  # Policy.gelu: pallas = jaxgpt.gelu's one-kernel GELU backward (GPUs)
+    # Policy.logits_dtype: the dtype the lm_head writes its logits in, the loss and its gradient then computed in fp32
+    # from them; bfloat16 halves the loss's passes over them (GPUs). null: the precision's own (bf16 under
+    # bf16-autocast, torch.autocast's numerics, which refuses float32; fp32 otherwise)
+    logits_dtype: Literal["float32", "bfloat16"] | None = None
     # ---- optimizer --------------------------------------------------------------------------------------
     optim: OptimConfig = OptimConfig()
     # ---- data -------------------------------------------------------------------------------------------
@@ -107,6 +111,11 @@ class TrainConfig:
         check("tokenizer", self.tokenizer == "gpt2" or self.init_from == "scratch",
               f"init_from: {self.init_from} is a GPT-2 model, whose ids are GPT-2 BPE tokens; use tokenizer: gpt2")
         check("fsdp_reduce", self.fsdp_reduce in ("micro_step", "step"), "allowed values are ['micro_step', 'step']")
+        check("logits_dtype", self.logits_dtype in (None, "float32", "bfloat16"),
+              "allowed values are ['float32', 'bfloat16'] or null (the precision's own); e.g. --logits_dtype=bfloat16")
+        check("logits_dtype", self.precision != "bf16-autocast" or self.logits_dtype != "float32",
+              "precision: bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16 logits; drop "
+              "logits_dtype (null) or use precision: bf16 for fp32 logits")
         check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
         check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
         check("skip_batches", self.skip_batches >= 0, "must be an integer >= 0")
