@@ -75,6 +75,7 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "gelu='plain'" in policy["jax_bf16_autocast"]
     assert "compute_dtype='bfloat16'" in policy["jax_bf16_ln_pallas"] and "layer_norm='pallas'" in policy["jax_bf16_ln_pallas"]
     assert "layer_norm='pallas'" in policy["jax_bf16_pallas"] and "gelu='pallas'" in policy["jax_bf16_pallas"]
+    assert "logits_dtype='bfloat16'" in policy["jax_bf16_fast"] and "logits_dtype='float32'" in policy["jax_bf16_pallas"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
@@ -343,9 +344,10 @@ def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, 
     kinds = {r["kind"]: r["ms_per_step"] for r in t["summary"]["rows"]}
     assert kinds["GEMMs"] > 0 and kinds["optimizer (fused AdamW, grad clip)"] > 0 and "| GEMMs |" in t["markdown"]
     rows = json.loads((out / "train_step-gpu-dry.json").read_text())["rows"]
-    assert {r["variant"] for r in rows} == {"jax_bf16", "jax_bf16_pallas", "torch_eager_bf16"}
-    pallas = next(r for r in rows if r["variant"] == "jax_bf16_pallas")["details"]["policy"]
-    assert "layer_norm='pallas'" in pallas and "gelu='pallas'" in pallas and "compute_dtype='bfloat16'" in pallas
+    assert {r["variant"] for r in rows} == {"jax_bf16", "jax_bf16_fast", "torch_eager_bf16"}
+    fast = next(r for r in rows if r["variant"] == "jax_bf16_fast")["details"]["policy"]
+    assert "layer_norm='pallas'" in fast and "gelu='pallas'" in fast and "compute_dtype='bfloat16'" in fast
+    assert "logits_dtype='bfloat16'" in fast
     assert not any("error" in r for r in rows), rows
 
 
@@ -377,7 +379,7 @@ def test_the_compare_budget_sets_aside_the_later_steps_needs(tmp_path):
     assert sum(s.need_s + gpu_session.SLACK_S for s in real) <= gpu_session.COMPARE_BUDGET_S < 600  # the tool's
     table = real[0].argv
     assert table[table.index("--batches") + 1] == "64,16" and table[table.index("--eager-batches") + 1] == ""
-    assert table[table.index("--variants") + 1] == "jax_bf16,torch_compile_bf16,jax_bf16_pallas"
+    assert table[table.index("--variants") + 1] == "jax_bf16,torch_compile_bf16,jax_bf16_fast"
     assert "--max_steps=10" in real[-1].argv and any(a.endswith("gpt2-124m.yaml") for a in real[-1].argv)
     with pytest.raises(SystemExit, match="needs a text file"):
         gpu_session.compare_steps(dry=False, text=None)

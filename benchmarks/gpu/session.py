@@ -100,7 +100,7 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
 
 # ---- compare: everything issue 32 changes, measured in one budgeted command ----------------------------------
 COMPARE = "compare"
-PALLAS = "jax_bf16_pallas"  # benchmarks.gpu.worker's variant with both of issue 32's Pallas kernels
+FASTEST = "jax_bf16_fast"  # benchmarks.gpu.worker's variant: both of issue 32's Pallas kernels and bf16 logits
 COMPARE_BUDGET_S = 560.0  # the device tool's command limit is 600 s; the rest is Python's start and the copy back
 SLACK_S = 2.0  # set aside per later step beyond its need: a killed step's exit, a process start
 COMPARE_FILES = 8  # bench 2 (json, md), jaxgpt's profile 4 (json, md, hlo, trace), torch's profile 1, this part's 1
@@ -121,20 +121,19 @@ class Step:
 
 def compare_steps(*, dry: bool, text: Path | None, stamp: str = "") -> list[Step]:
     """The compare part in priority order (seconds are an H100's: the table ran in 191 s, jaxgpt's b64 compile in
-    15 s, torch.compile's cold b64 step in 37 s, the recipe's 10 steps in 64 s, on 2026-11-26; the table's two
-    Pallas rows, not yet run, are budgeted at about a jaxgpt row's 25-30 s each, hence its 210 s bench budget and
-    300 s cap). ``--dry``: the
-    same on the CPU at tiny shapes, torch eager instead of torch.compile (inductor's C++ compile takes minutes)."""
+    15 s, torch.compile's cold b64 step in 37 s, the recipe's 10 steps in 64 s, on 2026-11-26; the table's
+    fastest-set rows (b64 and b16), not yet run, are budgeted at about a jaxgpt row's 25-30 s each, hence its 210 s
+    bench budget and 300 s cap). ``--dry``: the same on the CPU at tiny shapes, torch eager instead of torch.compile (inductor's C++ compile takes minutes)."""
     if text is None:
         raise SystemExit("the compare part's recipe run needs a text file: --text PATH")
     py = [sys.executable, "-m"]
     d = ["--dry"] if dry else []
     # --dry: one tiny batch, jaxgpt and torch eager (its default suite's test must stay short)
     b64, batches = (2, "2") if dry else (64, "64,16")
-    # beside the default and torch.compile: the bf16 program with both Pallas kernels (layer_norm and gelu: pallas),
-    # the opt-in set issue 32 predicts fastest, so one lent GPU measures it in the same command
-    torch_rows = (["--variants", f"jax_bf16,{PALLAS}", "--eager-batches", "2"] if dry else
-                  ["--variants", f"jax_bf16,torch_compile_bf16,{PALLAS}", "--eager-batches", ""])
+    # beside the default and torch.compile: the bf16 program with both Pallas kernels (layer_norm and gelu: pallas)
+    # and bf16 logits, the opt-in set issue 32 predicts fastest, so one lent GPU measures it in the same command
+    torch_rows = (["--variants", f"jax_bf16,{FASTEST}", "--eager-batches", "2"] if dry else
+                  ["--variants", f"jax_bf16,torch_compile_bf16,{FASTEST}", "--eager-batches", ""])
     # the recipe: tiny Shakespeare x 3 (912,668 train tokens: more than one 524,288-token step), as on 2026-11-26
     texts, shards = common.TMP / f"compare-text{stamp}", common.TMP / f"compare-shards{stamp}"
     run = common.TMP / f"compare-run{stamp}"
