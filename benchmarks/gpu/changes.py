@@ -27,8 +27,9 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
         "b64": "baseline-b64", "b16": "baseline-b16", "yaml": "baseline-gpt2-124m"}),
     ("loss: the logits GEMM writes its chunk once (barrier; the mask moves into its readers)", "default (GPUs)", {
         "b64": "loss-barrier-b64", "b16": "loss-barrier-b16", "yaml": "loss-barrier-yaml"}),
-    ("loss: bf16 logits written once, lse and softmax in fp32 (llm.c / autocast numerics)",
-     "ops logits_dtype=bfloat16", {
+    ("loss: bf16 logits written once, lse and softmax in fp32 (llm.c / autocast numerics; a user setting since "
+     "2026-11-27, the same program)",
+     "logits_dtype=bfloat16", {
          "b64": "loss-bf16-logits-b64", "b16": "loss-bf16-logits-b16", "yaml": "loss-bf16-logits-yaml"}),
     ("precision: bf16-autocast (bf16 GEMM outputs + bf16 logits; GELU recomputed in the backward)",
      "precision=bf16-autocast", {
@@ -61,6 +62,11 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
                            "yaml": "layernorm-pallas-qkv-gpt2-124m"}),
     ("the bf16 policy with both Pallas kernels (ln_1's kernel summing q, k and v's gradients) + grouped norm",
      "layer_norm=pallas gelu=pallas optim.grad_norm=grouped", {"b64": "combined-bf16-lnpallas-qkv-gelu-b64"}),
+    ("the fastest set predicted: both Pallas kernels + grouped norm + bf16 logits (bench variant jax_bf16_fast, "
+     "without the grouped norm; the session's compare part measures it)",
+     "layer_norm=pallas gelu=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
+         "b64": "combined-bf16-pallas-logits-b64", "b16": "combined-bf16-pallas-logits-b16",
+         "yaml": "combined-bf16-pallas-logits-gpt2-124m"}),
 ]
 
 
