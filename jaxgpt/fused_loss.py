@@ -97,16 +97,6 @@ def _logits_dtype(name) -> jnp.dtype:
     return dt
 
 
-def round_to(x: Float[Array, "..."], dtype) -> Float[Array, "..."]:
-    """``x`` rounded to ``dtype``'s precision (round to nearest even), kept in its own dtype: the value of
-    ``x.astype(dtype).astype(x.dtype)`` as one ``reduce_precision`` op, which no fusion mistakes for a no-op."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize >= x.dtype.itemsize:
-        return x
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-
 def _head_logits(a, b, precision, logits_dtype, mask_padded
                  ) -> tuple[Float[Array, "rows vocab"], Float[Array, "rows vocab"]]:
     """A chunk's logits ``a @ b^T`` as the GEMM wrote them, and as the loss reads them: fp32 values, padded columns
@@ -126,7 +116,7 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
         # rounded in place (fp32 values on bf16's grid), not by an fp32 -> bf16 -> fp32 convert pair: XLA:CPU's
         # YNNPACK fusions (jax 0.10.2) drop such a pair when they fuse it with the dot and the reductions (under
         # jax.grad alone, the loss unused, the rounding vanished from the gradient)
-        acc = round_to(acc, logits_dtype)
+        acc = ops.round_to(acc, logits_dtype)
         return acc.astype(logits_dtype), mask_padded(acc)
     # a GEMM cannot write a narrower dtype than its operands' (fp32 compute): fp32 then, rounded behind it
     written = logits_dtype if a.dtype.itemsize <= logits_dtype.itemsize else jnp.dtype(jnp.float32)

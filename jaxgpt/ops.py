@@ -96,13 +96,26 @@ def transpose_operand(a: Float[Array, "*batch m n"]) -> Float[Array, "*batch n m
     return jnp.swapaxes(a, -1, -2)
 
 
+def round_to(x: Float[Array, "*dims"], dtype) -> Float[Array, "*dims"]:
+    """``x`` rounded to ``dtype``'s precision (round to nearest even), kept in its own dtype: the value of
+    ``x.astype(dtype).astype(x.dtype)`` as one ``reduce_precision`` op, which no fusion mistakes for a no-op (XLA:CPU's
+    YNNPACK fusions, jax 0.10.2, dropped such a convert pair where an fp32 op consumed it: a gradient then saw the
+    unrounded value)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= x.dtype.itemsize:
+        return x
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _dot(a, b, dtype, precision, out=jnp.float32):
     """``a @ b`` with operands in ``dtype``, fp32 accumulation, the result rounded to ``out``: on GPUs one GEMM that
     writes ``out`` (cuBLAS accumulates bf16 products in fp32); elsewhere an fp32 result, then rounded."""
     a, b = a.astype(dtype), b.astype(dtype)
     if out != jnp.float32 and platform() == "gpu":
         return lax.dot(a, b, precision=precision, preferred_element_type=out)
-    return lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32).astype(out)
+    # rounded by reduce_precision first: its convert to ``out`` is then exact, and the rounding cannot be fused away
+    return round_to(lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32), out).astype(out)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

@@ -30,7 +30,6 @@ from jaxtyping import Array, Float
 from jaxgpt import fp8 as f8
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
-from jaxgpt.fused_loss import round_to
 
 DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
@@ -188,7 +187,7 @@ class Policy:
         """Logits rounded to ``logits_dtype`` and returned in their own dtype (fp32): torch_ref's ``.float()``."""
         if self.logits_dtype == "float32":  # no rounding beyond the accumulation's (fp64 stays fp64)
             return logits
-        return round_to(logits, self.logits_dtype)  # not a convert pair: XLA:CPU's fusions may drop one
+        return ops.round_to(logits, self.logits_dtype)  # not a convert pair: XLA:CPU's fusions may drop one
 
     def cast(self, x: Array) -> Array:
         """Cast a matmul operand to the compute dtype."""
@@ -211,7 +210,7 @@ class Policy:
             return f8.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision, out_dtype=self.out_dtype)
-        return self.einsum("...i,io->...o", x, w).astype(self.out_dtype)
+        return ops.round_to(self.einsum("...i,io->...o", x, w), self.out_dtype).astype(self.out_dtype)
 
     def attention_impl(self) -> Literal["xla", "cudnn", "einsum", "reference"]:
         if self.attention != "auto":

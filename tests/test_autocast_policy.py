@@ -66,6 +66,31 @@ def test_matmul_rounds_output_and_input_gradient_not_weight_gradient():
     assert not np.array_equal(np.asarray(dx32), np.asarray(dx))  # the rounding did something
 
 
+def test_the_rounding_survives_jit_where_fp32_ops_consume_it():
+    """Jitted, the bf16 GEMM output is promoted by the fp32 bias and consumed by fp32 ops: a convert pair fp32 ->
+    bf16 -> fp32 that XLA:CPU's YNNPACK fusions (jax 0.10.2) dropped from the gradient's computation, so bf16-autocast
+    trained on CPUs with the unrounded output in its backward (this test failed: 8.3e-4 from the rounded sums, 1.3e-7
+    from the unrounded). ops.round_to rounds with reduce_precision. The forward value and a gradient that reads the
+    output must both be those of the rounded output, at a gpt2-sized layer."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(512, 768)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(768, 768)) / 28, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(768,)), jnp.float32)
+    exact = np.asarray(jnp.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+    rounded = np.asarray(jnp.asarray(exact).astype(jnp.bfloat16).astype(jnp.float32))  # eager: nothing fuses
+    f = jax.jit(lambda x, w: jnp.tanh(ops.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16) + b))
+    got = np.asarray(f(x, w))
+    assert np.abs(got - np.tanh(rounded + np.asarray(b))).max() < 1e-5
+    assert np.abs(got - np.tanh(exact + np.asarray(b))).max() > 1e-3  # the rounding is visible at this size
+    # gradient only (the output itself unused, as under jax.grad): d/db sum((y + b)^3 / 3) = column sums of (y + b)^2
+    # at the output y the forward wrote, summed in fp32; the rounding moves them ~100x more than that summation does
+    db = np.asarray(jax.jit(jax.grad(lambda w, b: (((ops.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
+                                                      + b) ** 3) / 3).sum(), argnums=1))(w, b), np.float64)
+    at_rounded = ((rounded.astype(np.float64) + np.asarray(b)) ** 2).sum(0)
+    at_exact = ((exact.astype(np.float64) + np.asarray(b)) ** 2).sum(0)
+    assert np.abs(db / at_rounded - 1).max() < 1e-5 < 1e-4 < np.abs(db / at_exact - 1).max()
+
+
 @pytest.mark.parametrize("fast_kernels", [True, False])
 def test_model_dtypes_and_logits(fast_kernels):
     cfg = GPTConfig.preset("tiny", vocab_size=512)

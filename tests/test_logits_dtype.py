@@ -143,7 +143,7 @@ def test_lm_head_gradients_within_the_rounding_bound(pair):
     """dh and dW of the fused loss at the GPT's own final hidden states and head, bf16 against fp32 logits: within
     tolerances.bf16_logits_grad_bounds elementwise, and the largest difference a sizeable part of its bound (measured
     0.23 and 0.28). jax.grad alone, the loss unused: where XLA:CPU's YNNPACK fusion dropped the logits' fp32 -> bf16
-    -> fp32 convert pair (jaxgpt.fused_loss.round_to), both gradients came out equal and this failed."""
+    -> fp32 convert pair (jaxgpt.ops.round_to), both gradients came out equal and this failed."""
     h, _ = pair["m32"].hidden(pair["x"])
     w = pair["m32"].wte.embedding[...]
     y = jnp.asarray(pair["y"])
