@@ -365,8 +365,9 @@ class GPT(nnx.Module):
         """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped). ``head``:
         wte already cast to the compute dtype (the decoder casts it once, not once per token)."""
         head = self.wte.embedding[...] if head is None else head
-        if self.policy.fp8_on("lm_head"):  # e4m3 operands (jaxgpt.fp8), fp32 logits
-            return self.policy.matmul(h, head.T, gemm="lm_head")[..., : self.config.vocab_size]
+        if self.policy.fp8_on("lm_head"):  # e4m3 operands (jaxgpt.fp8), fp32 accumulation, then logits_dtype
+            logits = self.policy.matmul(h, head.T, gemm="lm_head")
+            return self.policy.round_logits(logits)[..., : self.config.vocab_size]
         return self.policy.round_logits(self.policy.einsum("btc,vc->btv", h, head))[..., : self.config.vocab_size]
 
     def __call__(self, idx: Int[Array, "batch seq"], *, dropout_key=None) -> Float[Array, "batch seq vocab"]:

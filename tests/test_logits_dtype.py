@@ -93,6 +93,20 @@ def test_fp32_compute_takes_bf16_logits_too():
     assert abs(cpu - want) <= 1e-6 * abs(want) and abs(gpu - want) <= 1e-6 * abs(want), (cpu, gpu, want)
 
 
+def test_model_logits_under_fp8_lm_head_are_rounded_too():
+    """GPT.logits (generation, evaluation) under precision: fp8 with an e4m3 lm_head: the fp32-accumulated logits are
+    rounded to logits_dtype as the loss's are (before, that path returned them unrounded)."""
+    cfg = GPTConfig.preset("tiny", vocab_size=256)
+    x = jax.random.randint(jax.random.PRNGKey(3), (2, 16), 0, cfg.vocab_size)
+    logits = {}
+    for dt in ("float32", "bfloat16"):
+        model = GPT(cfg, policy=Policy.fp8_policy("lm_head", logits_dtype=dt), rngs=nnx.Rngs(params=0))
+        logits[dt] = np.asarray(model(x), np.float32)
+    rounded = np.asarray(jnp.asarray(logits["float32"]).astype(jnp.bfloat16).astype(jnp.float32))
+    assert not np.array_equal(logits["float32"], rounded)  # fp32 logits carry more than bf16's 8 bits
+    np.testing.assert_array_equal(logits["bfloat16"], rounded)
+
+
 # ---- a small GPT: bf16 logits against fp32 logits ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def pair():
