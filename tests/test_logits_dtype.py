@@ -7,6 +7,7 @@ parity_tests/test_train_parity.py.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -178,3 +179,43 @@ def test_lm_head_gradients_within_the_rounding_bound(pair):
     print(f"\nlm_head gradients: max |ddh| / bound {np.max(err_dh / b_dh):.3f}, "
           f"|ddW| / bound {np.max(err_dw / b_dw):.3f}")
     assert np.max(err_dh / b_dh) >= 0.1 and np.max(err_dw / b_dw) >= 0.1
+
+
+# ---- the eval and generate commands take a run's logits_dtype ----------------------------------------------------
+def test_eval_and_generate_commands_take_the_runs_logits_dtype(monkeypatch, capsys, tmp_path):
+    """``python -m jaxgpt.eval`` and ``python -m jaxgpt.generate --logits-dtype bfloat16``: the model they load has
+    the run's bf16 logits (evaluated and sampled with the numerics it trained with), eval's summary records it, and
+    ``--precision bf16-autocast --logits-dtype float32`` is refused on one line that names the fix."""
+    from jaxgpt.eval import cli as eval_cli
+    from jaxgpt.generate import cli as gen_cli
+    from tests.test_eval import write_items
+
+    policies = []
+    gen_load, eval_load = gen_cli.load_model, eval_cli.load_model
+
+    def gen_spy(*args, **kwargs):
+        policies.append(kwargs["policy"])
+        return gen_load(*args, **kwargs)
+
+    def eval_spy(*args, **kwargs):
+        model = eval_load(*args, **kwargs)
+        policies.append(model.policy)
+        return model
+
+    monkeypatch.setattr(gen_cli, "load_model", gen_spy)
+    monkeypatch.setattr(eval_cli, "load_model", eval_spy)
+    gen = ["--init-from", "random:tiny", "--prompt-ids", "1 2", "--max-new-tokens", "2", "--print-ids"]
+    assert gen_cli.main([*gen, "--precision", "bf16", "--logits-dtype", "bfloat16"]) == 0
+    assert policies[-1] == Policy.bf16(logits_dtype="bfloat16")
+    assert gen_cli.main([*gen, "--precision", "bf16"]) == 0 and policies[-1].logits_dtype == "float32"
+    capsys.readouterr()
+    assert gen_cli.main([*gen, "--precision", "bf16-autocast", "--logits-dtype", "float32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "logits_dtype = 'float32' with precision bf16-autocast" in err[0] and "drop" in err[0]
+
+    items = write_items(tmp_path / "items.jsonl", 2)
+    argv = ["--task", "hellaswag", "--init-from", "random:tiny", "--data", str(items), "--no-progress",
+            "--precision", "bf16", "--logits-dtype", "bfloat16", "--json", str(tmp_path / "s.json")]
+    assert eval_cli.main(argv) == 0
+    assert policies[-1] == Policy.bf16(logits_dtype="bfloat16")
+    assert json.loads((tmp_path / "s.json").read_text())["logits_dtype"] == "bfloat16"

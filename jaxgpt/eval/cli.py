@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-gemms", choices=[g for g in GEMM_SETS if g != "none"], default=None,
                    help="with --precision fp8: which forward GEMMs take e4m3 operands, as the run's fp8_gemms "
                         f"(default: {DEFAULT_FP8_GEMMS})")
+    p.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the dtype the lm_head writes its logits in, as the run's logits_dtype (default: the "
+                        "precision's own: fp32; bf16 under bf16-autocast)")
     p.add_argument("--batch-size", type=int_at_least(1), default=8,
                    help="items (hellaswag) or sequences (val-loss) per batch")
     p.add_argument("--seq-len", type=int_at_least(1), default=None,
@@ -93,7 +96,8 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
     prepared = prepare(args) if prepared is None else prepared
-    model = load_model(args.init_from, precision=args.precision, fp8_gemms=args.fp8_gemms, step=args.step)
+    model = load_model(args.init_from, precision=args.precision, fp8_gemms=args.fp8_gemms,
+                       logits_dtype=args.logits_dtype, step=args.step)
     if args.task == "hellaswag":
         from jaxgpt.eval import hellaswag
 
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace, prepared: dict | None = None) -> dict:
     summary.update(init_from=args.init_from, precision=args.precision)
     if args.fp8_gemms is not None:
         summary.update(fp8_gemms=args.fp8_gemms)
+    if args.logits_dtype is not None:
+        summary.update(logits_dtype=args.logits_dtype)
     return summary
 
 

@@ -23,12 +23,13 @@ class EvalError(ValueError):
     """A user-facing evaluation problem (missing or malformed data, a bad option); the message names the fix."""
 
 
-def load_model(init_from: str, *, precision: str = "fp32", fp8_gemms: str | None = None, seed: int = 0,
-               step: int | None = None) -> Any:
+def load_model(init_from: str, *, precision: str = "fp32", fp8_gemms: str | None = None,
+               logits_dtype: str | None = None, seed: int = 0, step: int | None = None) -> Any:
     """A GPT from ``init_from`` (a training run directory, a Hugging Face directory or name, ``random:PRESET``),
-    with a ``precision`` policy (``fp32``, ``bf16``, ``fp8`` with ``fp8_gemms``, ``auto``, ...):
-    :func:`jaxgpt.generate.load_model`."""
+    with a ``precision`` policy (``fp32``, ``bf16``, ``fp8`` with ``fp8_gemms``, ``auto``, ...; ``logits_dtype``:
+    the lm_head's, None for the precision's own): :func:`jaxgpt.generate.load_model`."""
     from jaxgpt.generate import load_model as _load
     from jaxgpt.precision import Policy
 
-    return _load(init_from, policy=Policy.named(precision, fp8_gemms=fp8_gemms), seed=seed, step=step)
+    policy = Policy.named(precision, fp8_gemms=fp8_gemms, logits_dtype=logits_dtype)
+    return _load(init_from, policy=policy, seed=seed, step=step)

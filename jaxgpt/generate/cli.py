@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-gemms", choices=[g for g in GEMM_SETS if g != "none"], default=None,
                    help="with --precision fp8: which forward GEMMs take e4m3 operands, as the run's fp8_gemms "
                         f"(default: {DEFAULT_FP8_GEMMS})")
+    p.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the dtype the lm_head writes its logits in, as the run's logits_dtype (default: the "
+                        "precision's own: fp32; bf16 under bf16-autocast)")
     p.add_argument("--no-cache", action="store_true",
                    help="recompute the whole context for every token (slow; the reference path)")
     return p
@@ -102,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.seed >= 2**32:
             raise GenerateError(f"--seed {args.seed}: must be < 2**32")
-        policy = Policy.named(args.precision, fp8_gemms=args.fp8_gemms)
+        policy = Policy.named(args.precision, fp8_gemms=args.fp8_gemms, logits_dtype=args.logits_dtype)
         model = load_model(args.init_from, policy=policy, step=args.step)
         tok = load_tokenizer(args.init_from, step=args.step)
         t0 = time.perf_counter()
