@@ -205,10 +205,12 @@ class Linear(nnx.Module):
         """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense. ``x``
         may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies)."""
         xs = list(x) if isinstance(x, (list, tuple)) else [x] * n
+        if len(xs) != n:
+            raise ValueError(f"Linear.split: {len(xs)} inputs for {n} column blocks: pass one input, or one per block")
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
-        return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi) for xi, wi, bi in zip(xs, w, b)]
+        return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi) for xi, wi, bi in zip(xs, w, b, strict=True)]
 
 
 class CausalSelfAttention(nnx.Module):

@@ -101,10 +101,9 @@ def round_to(x: Float[Array, "*dims"], dtype) -> Float[Array, "*dims"]:
     ``x.astype(dtype).astype(x.dtype)`` as one ``reduce_precision`` op, which no fusion mistakes for a no-op (XLA:CPU's
     YNNPACK fusions, jax 0.10.2, dropped such a convert pair where an fp32 op consumed it: a gradient then saw the
     unrounded value)."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize >= x.dtype.itemsize:
+    info, own = jnp.finfo(dtype), jnp.finfo(x.dtype)
+    if info.nmant >= own.nmant and info.nexp >= own.nexp:  # x's dtype holds no more than ``dtype``: nothing to round
         return x
-    info = jnp.finfo(dtype)
     return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 

@@ -241,7 +241,8 @@ def test_tiny_h100_step_runs_the_pallas_kernel_once_per_block_layer_norm_and_mic
     # ln_1's kernels read q, k and v's three input gradients (two more (rows, embed) fp32 arrays than ln_2's one dy),
     # and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here)
     rows_embed = cs.micro_batch * cs.cfg.seq_len * cs.cfg.model.n_embd * 4
-    assert sorted({k.bytes for k in triton}) == [min(k.bytes for k in triton), min(k.bytes for k in triton) + 2 * rows_embed]
+    ln_2 = min(k.bytes for k in triton)
+    assert sorted({k.bytes for k in triton}) == [ln_2, ln_2 + 2 * rows_embed]
     assert [k.name for k in ks if k.op_name.endswith("add_any") and k.category != "GELU"] == []
     cal = calibrated.for_target("h100-sxm")
     assert all(cal.rate(k)[1] for k in ks if k.gemm), sorted({k.gemm for k in ks if k.gemm and not cal.rate(k)[1]})

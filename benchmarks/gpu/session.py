@@ -123,7 +123,8 @@ def compare_steps(*, dry: bool, text: Path | None, stamp: str = "") -> list[Step
     """The compare part in priority order (seconds are an H100's: the table ran in 191 s, jaxgpt's b64 compile in
     15 s, torch.compile's cold b64 step in 37 s, the recipe's 10 steps in 64 s, on 2026-11-26; the table's
     fastest-set rows (b64 and b16), not yet run, are budgeted at about a jaxgpt row's 25-30 s each, hence its 210 s
-    bench budget and 300 s cap). ``--dry``: the same on the CPU at tiny shapes, torch eager instead of torch.compile (inductor's C++ compile takes minutes)."""
+    bench budget and 300 s cap). ``--dry``: the same on the CPU at tiny shapes, torch eager instead of torch.compile
+    (inductor's C++ compile takes minutes)."""
     if text is None:
         raise SystemExit("the compare part's recipe run needs a text file: --text PATH")
     py = [sys.executable, "-m"]
