@@ -210,7 +210,8 @@ class Linear(nnx.Module):
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
-        return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi) for xi, wi, bi in zip(xs, w, b, strict=True)]
+        return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi)
+                for xi, wi, bi in zip(xs, w, b, strict=True)]
 
 
 class CausalSelfAttention(nnx.Module):

@@ -251,9 +251,7 @@ def _branch_bwd(eps, backward, copies, res, cotangents):
     x, mean, rstd, scale, bias = res
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
-            dy = dys[0]
-            for part in dys[1:]:  # what autodiff would have added before the VJP
-                dy = dy + part
+            dy = sum(dys[1:], dys[0])  # what autodiff would have added before the VJP, in the same order
             dx, d_scale, d_bias = _backward_xla(*res, dy)
             return d_x_out.astype(x.dtype) + dx, d_scale, d_bias
         dx, ds, db = layer_norm_backward(x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys],

@@ -111,8 +111,6 @@ class TrainConfig:
         check("tokenizer", self.tokenizer == "gpt2" or self.init_from == "scratch",
               f"init_from: {self.init_from} is a GPT-2 model, whose ids are GPT-2 BPE tokens; use tokenizer: gpt2")
         check("fsdp_reduce", self.fsdp_reduce in ("micro_step", "step"), "allowed values are ['micro_step', 'step']")
-        check("logits_dtype", self.logits_dtype in (None, "float32", "bfloat16"),
-              "allowed values are ['float32', 'bfloat16'] or null (the precision's own); e.g. --logits_dtype=bfloat16")
         check("logits_dtype", self.precision != "bf16-autocast" or self.logits_dtype != "float32",
               "precision: bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16 logits; drop "
               "logits_dtype (null) or use precision: bf16 for fp32 logits")
