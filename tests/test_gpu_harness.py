@@ -41,6 +41,20 @@ def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
     assert saved["rows"] == json.loads(json.dumps(res["rows"]))
     md = (results / "train_step-gpu-dry.md").read_text()
     assert "| gpt2 | **jax_bf16** | 2 |" in md and "Targets" in md
+    for r in (j, t):  # every timed call's host time: one window of 5 calls (steps=5)
+        h = r["host_call_ms"]
+        assert h["window"] == 5 and 0 < h["median"] and 0 < h["first"] < 1e3 * 5 * r["step_ms"]["max"], h
+    assert "Host time of one step call" in md and f"jax_bf16 b2 {j['host_call_ms']['median']:.1f} / " in md
+
+
+def test_host_calls_are_summarised_per_window():
+    calls = [[0.030, 0.002, 0.004], [0.020, 0.003, 0.001], [0.040, 0.002, 0.002]]
+    assert gpu_bench.host_calls(calls) == pytest.approx({"median": 3.0, "first": 30.0, "window": 3})
+    assert gpu_bench.host_calls(None) is None and gpu_bench.host_calls([[]]) is None
+    row = {"variant": "jax_bf16", "batch": 16, "host_call_ms": gpu_bench.host_calls(calls)}
+    (line,) = [s for s in gpu_bench.host_lines([row, {"variant": "x", "batch": 1, "error": "e"}]) if s]
+    assert "jax_bf16 b16 3.0 / 30.0 ms (~10.0 ms per step)" in line
+    assert gpu_bench.host_lines([{"variant": "torch_compile_bf16", "batch": 16, "host_call_ms": None}]) == []
 
 
 def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():

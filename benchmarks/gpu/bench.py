@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -164,6 +165,7 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
             "peak_device_gib": res["peak_device_mib"] / 1024 if res.get("peak_device_mib") else None,
             "cold_first_step_s": res["cold_first_step_s"], "loss_first": res["loss_first"], "loss_last": res["loss_last"],
             "predicted_step_ms": res["predicted_step_s"] * 1e3 if res.get("predicted_step_s") else None,
+            "host_call_ms": host_calls(res.get("host_call_s")),
             "device_kind": res.get("device_kind"), "details": {k: res.get(k) for k in (
                 "train_step", "optimizer", "optimizer_class", "policy", "attention", "sdpa_backends_enabled",
                 "timing", "xla_flags", "process_s")}}
@@ -208,6 +210,28 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
         res["targets"] = targets(res["rows"])
         save(res)
     return res
+
+
+def host_calls(windows: list[list[float]] | None) -> dict[str, float] | None:
+    """The host time of the timed step calls (worker.py's ``host_call_s``, per window), in ms: ``median`` of every
+    call, ``first``: the median of each window's first call, during which the device idles."""
+    if not windows or not all(windows):
+        return None
+    return {"median": statistics.median([t for w in windows for t in w]) * 1e3,
+            "first": statistics.median([w[0] for w in windows]) * 1e3, "window": len(windows[0])}
+
+
+def host_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What the host costs each measured row: the paragraph under the table (none if no row recorded it)."""
+    shown = [r for r in rows if "error" not in r and r.get("host_call_ms")]
+    if not shown:
+        return []
+    parts = [f"{r['variant']} b{r['batch']} {r['host_call_ms']['median']:.1f} / {r['host_call_ms']['first']:.1f} ms "
+             f"(~{r['host_call_ms']['first'] / r['host_call_ms']['window']:.1f} ms per step)" for r in shown]
+    return ["", "Host time of one step call (median of all timed calls / of each window's first call; JAX returns "
+            "once the step is dispatched): " + "; ".join(parts) + ". The device idles through a window's first call, "
+            "so about first / window of each step's time is the host's (in parentheses); a median call as long as "
+            "the step would make the steps host-bound."]
 
 
 def line_of(r: dict[str, Any]) -> str:
@@ -283,6 +307,7 @@ def markdown(res: dict[str, Any]) -> str:
                      f"| {common.fmt(pred, 1) if pred else '-'} | {vs_pred} | {pct(r['mfu'])} | {pct(r['mfu_causal_halved'])} | "
                      f"{common.fmt(r['peak_device_gib'], 1)} | {r['cold_first_step_s']:.1f} | "
                      f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    lines += host_lines(res["rows"])
     lines += ["", "Targets (gpt2 124M, T=1024, jaxgpt's best micro-batch):", "",
               "| target | micro-batch | measured | met |", "|---|---:|---:|---|"]
     for t in res.get("targets", []):

@@ -9,7 +9,9 @@ compile + one step) and ``warmup`` steps, ``windows`` windows of ``window`` step
 synchronised start to a synchronised end (JAX: ``block_until_ready`` on the new state; torch:
 ``torch.cuda.synchronize()``), and each window's time per step is one sample. Neither framework reads the loss
 on the host inside a window (jaxgpt's training loop fetches metrics every ``log_interval`` steps; a per-step
-``loss.item()`` would serialise host and device in both).
+``loss.item()`` would serialise host and device in both). ``host_call_s`` holds each timed step call's host time
+(per window): JAX's call returns once the step is dispatched, so a window's first call is time the device sits idle
+(it has finished the previous window), and a call slower than the device's step makes the window host-bound.
 
 A micro-batch that does not fit in device memory returns ``{"does_not_fit": True, "error": ...}`` instead of
 raising: the orchestrator reports it as "does not fit" and stops growing that variant's batch.
@@ -74,16 +76,20 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
         for _ in range(spec.get("warmup", 3)):
             fns["step"]()
         fns["sync"]()
-        times = []
+        times, host = [], []
         window = spec.get("window", 5)
         for _ in range(spec.get("windows", 4)):
             t0 = time.perf_counter()
+            calls = []
             for _ in range(window):
+                t_call = time.perf_counter()
                 last = fns["step"]()
+                calls.append(time.perf_counter() - t_call)
                 if spec.get("sync_every_step"):  # the A/B of a training loop that reads the loss every step
                     fns["value"](last)
             fns["sync"]()
             times.append((time.perf_counter() - t0) / window)
+            host.append(calls)
         loss_last = fns["value"](last)
     except Exception as e:  # classified: re-raised unless it is an out-of-memory error
         if not is_oom(e):
@@ -95,6 +101,7 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
         **fns["info"], "variant": spec["variant"], "framework": framework, "precision": precision,
         "micro_steps": x.shape[0],
         "tokens_per_step": x.shape[0] * x.shape[1] * x.shape[2], "cold_first_step_s": cold, "step_times_s": times,
+        "host_call_s": host,
         "timing": f"{spec.get('windows', 4)} windows x {window} steps, synchronised at each window's ends",
         "loss_first": loss_first, "loss_last": loss_last, "peak_device_mib": fns["peak_mib"](),
         "peak_rss_mib": peak_rss_mib(), "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
