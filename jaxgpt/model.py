@@ -148,14 +148,17 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
-    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with a
-    one-kernel backward on GPUs). ``branch(x)`` is ``(x, ln(x))``: what a Block's residual branch takes."""
+    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with
+    one-kernel forward and backward on GPUs). ``branch(x)`` is ``(x, ln(x))``: what a Block's residual branch takes;
+    under "pallas" ln(x) comes in ``gemm_dtype``, the operand dtype of the GEMMs that read it."""
 
-    def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32, impl: str = "plain"):
+    def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32, impl: str = "plain",
+                 gemm_dtype=jnp.float32):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.bias = nnx.Param(jnp.zeros((dim,), param_dtype)) if bias else None
         self.eps = eps
         self.impl = impl
+        self.gemm_dtype = jnp.dtype(gemm_dtype)
 
     def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         lead = x.shape[:-1]
@@ -172,15 +175,20 @@ class LayerNorm(nnx.Module):
             y = y + self.bias[...] if self.bias is not None else y
             return y.reshape(*lead, x.shape[-1])
 
-    def branch(self, x: Float[Array, "... embed"], copies: int = 1) -> tuple[Float[Array, "... embed"], ...]:
-        """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it; under "pallas" one custom
-        VJP whose backward also adds x's residual gradient and sums the copies' gradients itself (jaxgpt.norm)."""
-        if self.impl != "pallas" or x.dtype != jnp.float32:
+    def branch(self, x: Float[Array, "... embed"], copies: int = 1, add: Float[Array, "... embed"] | None = None
+               ) -> tuple[Float[Array, "... embed"], ...]:
+        """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it, of ``x + add`` if ``add``
+        is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.norm) whose forward makes the
+        sum and ln(x) in one pass on GPUs, and whose backward also adds x's residual gradient and sums the copies'
+        gradients itself."""
+        if self.impl != "pallas" or x.dtype != jnp.float32 or (add is not None and add.dtype != jnp.float32):
+            x = x if add is None else x + add
             return (x,) + (self(x),) * copies
         with jax.named_scope("layer_norm"):
             bias = self.bias[...] if self.bias is not None else None
-            x_out, *ys = norm.layer_norm_branch(x.reshape(-1, x.shape[-1]), self.scale[...], bias, eps=self.eps,
-                                                copies=copies)
+            rows = (-1, x.shape[-1])
+            x_out, *ys = norm.layer_norm_branch(x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies,
+                                                add=None if add is None else add.reshape(rows), dtype=self.gemm_dtype)
             return (x_out.reshape(x.shape), *(y.reshape(x.shape) for y in ys))
 
 
@@ -305,11 +313,14 @@ def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Arra
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
         eps = config.layer_norm_epsilon
+        # the GEMMs' operand dtype, for ln(x) under layer_norm: pallas; fp32 where the GEMMs are not jaxgpt.ops' or
+        # jaxgpt.fp8's (fast_kernels off), whose backward would round a bf16 input's gradient
+        gemm = policy.dtype if policy.fast_kernels else jnp.float32
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype,
-                              impl=policy.layer_norm)
+                              impl=policy.layer_norm, gemm_dtype=gemm)
         self.attn = CausalSelfAttention(config, policy=policy, rngs=rngs)
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype,
-                              impl=policy.layer_norm)
+                              impl=policy.layer_norm, gemm_dtype=gemm)
         self.mlp = MLP(config, policy=policy, rngs=rngs)
 
     def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
@@ -318,8 +329,7 @@ class Block(nnx.Module):
         # and ln_1 hands the attention one copy of ln(x) per GEMM that reads it, whose gradients its backward sums
         x, *h = self.ln_1.branch(x, copies=self.attn.gemms)
         a, cache = self.attn(h, cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
-        x = x + a  # the residual stream stays fp32
-        x, h = self.ln_2.branch(x)
+        x, h = self.ln_2.branch(x, add=a)  # x + a: the residual stream stays fp32
         x = x + self.mlp(h, dropout_key=mlp_key)
         return x, cache
 

@@ -227,38 +227,120 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     )(x, *dys, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
 
 
+def _forward_kernel(x_ref, *refs, has_add: bool, block: int, sub: int, width: int, eps: float):
+    """Rows [i * block, (i + 1) * block) of x (plus the branch ``add``), ``sub`` rows at a time, columns masked to the
+    real ones as in :func:`_kernel`: the sum written (fp32) when there is one, the row statistics (two-pass variance,
+    as :func:`_stats`) and ``ln = (x - mean) * rstd * scale + bias`` written in y_ref's dtype. ``refs``: [add],
+    scale, bias, then the outputs [x + add], y, mean, rstd."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    add_ref, refs = (refs[0], refs[1:]) if has_add else (None, refs)
+    scale_ref, bias_ref, *outs = refs
+    xo_ref, (y_ref, mean_ref, rstd_ref) = (outs[0], outs[1:]) if has_add else (None, outs)
+    rows, cols = x_ref.shape
+    i = pl.program_id(0)
+    col = jnp.arange(width)
+    col_ok = col < cols
+    scale = plgpu.load(scale_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+    bias = plgpu.load(bias_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
+
+    def step(s, carry):
+        row = i * block + s * sub + jnp.arange(sub)
+        row_ok = row < rows
+        ok = row_ok[:, None] & col_ok[None, :]
+        at = (row[:, None], col[None, :])
+        x = plgpu.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+        if has_add:  # the residual stream plus the branch: XLA would write it, then read it twice for the statistics
+            x = x + plgpu.load(add_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
+            plgpu.store(xo_ref.at[at], x, mask=ok)
+        mean = x.sum(axis=1, keepdims=True) / cols
+        centered = jnp.where(ok, x - mean, 0.0)  # padded columns: 0, not -mean
+        rstd = jax.lax.rsqrt((centered * centered).sum(axis=1, keepdims=True) / cols + eps)
+        plgpu.store(y_ref.at[at], (centered * rstd * scale + bias).astype(y_ref.dtype), mask=ok)
+        plgpu.store(mean_ref.at[row], mean[:, 0], mask=row_ok)
+        plgpu.store(rstd_ref.at[row], rstd[:, 0], mask=row_ok)
+        return carry
+
+    jax.lax.fori_loop(0, block // sub, step, 0)
+
+
+def layer_norm_forward(x: Float[Array, "rows embed"], add: Float[Array, "rows embed"] | None,
+                       scale: Float[Array, " embed"], bias: Float[Array, " embed"] | None, *, eps: float,
+                       dtype=jnp.float32, interpret: bool = False
+                       ) -> tuple[Float[Array, "rows embed"], Float[Array, "rows embed"], Float[Array, "rows 1"],
+                                  Float[Array, "rows 1"]]:
+    """``(x + add, ln(x + add), mean, rstd)`` as one Pallas Triton kernel (``interpret=True``: Pallas' interpreter):
+    the residual stream's sum (fp32; ``x`` itself when ``add`` is None), its LayerNorm in ``dtype`` (the GEMMs'
+    operand dtype: what the next GEMM reads, so the fp32 LayerNorm output never reaches memory) and the row
+    statistics the backward kernel takes. The sum is read once where XLA writes it and reads it twice (its mean,
+    then its variance) before the pass that normalises it. Ragged rows and widths are masked, as in the backward."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    _check(x, scale, bias)
+    if x.dtype != jnp.float32 or (add is not None and (add.shape != x.shape or add.dtype != jnp.float32)):
+        raise LayerNormKernelError(f"layer_norm_forward takes a float32 x and an optional float32 add of x's shape, "
+                                   f"got {x.dtype} {tuple(x.shape)} and "
+                                   f"{None if add is None else (str(add.dtype), tuple(add.shape))}")
+    rows, cols = x.shape
+    block = min(BLOCK_ROWS, max(SUB_ROWS, _next_pow2(rows)))
+    kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
+    row = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    outs = pl.pallas_call(
+        partial(_forward_kernel, has_add=add is not None, block=block, sub=min(SUB_ROWS, block),
+                width=max(16, _next_pow2(cols)), eps=float(eps)),
+        out_shape=(*([jax.ShapeDtypeStruct(x.shape, jnp.float32)] if add is not None else []),
+                   jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), row, row),
+        grid=(-(-rows // block),), interpret=interpret, name="layer_norm_forward_residual", **kwargs,
+    )(x, *([add] if add is not None else []), scale.astype(jnp.float32),
+      (jnp.zeros_like(scale) if bias is None else bias).astype(jnp.float32))
+    x_out, y, mean, rstd = outs if add is not None else (x, *outs)
+    return x_out, y, mean.reshape(rows, 1), rstd.reshape(rows, 1)
+
+
 def _resolve(backward: Backward) -> Backward:
     if backward != "auto":
         return backward
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _branch(x, scale, bias, eps, backward, copies):
-    mean, rstd = _stats(x, eps)
-    y = _normalize(x, mean, rstd, scale, bias)
-    return (x,) + (y,) * copies
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _branch(x, add, scale, bias, eps, backward, copies, dtype):
+    return _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype)[0]  # without gradients: the same kernels
 
 
-def _branch_fwd(x, scale, bias, eps, backward, copies):
-    y, res = _layer_norm_fwd(x, scale, bias, eps)
-    return (x,) + (y,) * copies, res
+def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
+    add_like = None if add is None else jnp.zeros((), add.dtype)
+    with jax.named_scope(SCOPE):
+        if _resolve(backward) == "xla":
+            x = x if add is None else x + add
+            y, (x, mean, rstd, scale, bias) = _layer_norm_fwd(x, scale, bias, eps)
+            y = y.astype(dtype)
+        else:
+            x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
+                                                  interpret=_resolve(backward) == "interpret")
+    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, add_like)
 
 
-def _branch_bwd(eps, backward, copies, res, cotangents):
-    del eps, copies  # eps: inside rstd; copies: the cotangents' count
+def _branch_bwd(eps, backward, copies, dtype, res, cotangents):
+    del eps, copies, dtype  # eps: inside rstd; copies: the cotangents' count; dtype: the dy parts' own
     d_x_out, *dys = cotangents
-    x, mean, rstd, scale, bias = res
+    x, mean, rstd, scale, bias, add_like = res
+    res = res[:5]
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
             dy = sum(dys[1:], dys[0])  # what autodiff would have added before the VJP, in the same order
             dx, d_scale, d_bias = _backward_xla(*res, dy)
-            return d_x_out.astype(x.dtype) + dx, d_scale, d_bias
-        dx, ds, db = layer_norm_backward(x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys],
-                                         d_x_out.astype(x.dtype), mean, rstd, scale,
-                                         interpret=_resolve(backward) == "interpret")
-        return (dx, ds.sum(axis=0).astype(scale.dtype),
-                None if bias is None else db.sum(axis=0).astype(bias.dtype))
+            dx = d_x_out.astype(x.dtype) + dx
+        else:
+            dx, ds, db = layer_norm_backward(x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype)
+                                                 for dy in dys],
+                                             d_x_out.astype(x.dtype), mean, rstd, scale,
+                                             interpret=_resolve(backward) == "interpret")
+            d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
+                bias.dtype)
+        return dx, None if add_like is None else dx.astype(add_like.dtype), d_scale, d_bias
 
 
 _branch.defvjp(_branch_fwd, _branch_bwd)
@@ -266,11 +348,19 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
                       bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
-                      copies: int = 1) -> tuple[Float[Array, "rows embed"], ...]:
+                      copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32
+                      ) -> tuple[Float[Array, "rows embed"], ...]:
     """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
-    "kernel" (:func:`layer_norm_backward`, GPUs), "interpret" (that kernel in Pallas' interpreter), "xla" (the two
-    passes of :func:`layer_norm`), "auto" (the kernel on GPUs, XLA elsewhere: :func:`jaxgpt.ops.platform`).
+    "kernel" (:func:`layer_norm_backward`, and :func:`layer_norm_forward` for the forward: GPUs), "interpret"
+    (those kernels in Pallas' interpreter), "xla" (the passes of :func:`layer_norm`), "auto" (the kernels on GPUs,
+    XLA elsewhere: :func:`jaxgpt.ops.platform`).
+
+    ``add``: a branch's output to add to x first (the Block's ``x + attn(...)``): the result is then ``(x + add,
+    layer_norm(x + add), ...)``, the sum made in the forward kernel, and add's gradient is the sum's. ``dtype``: what
+    layer_norm(x) is returned in: the following GEMMs' operand dtype (they cast to it anyway), so that the fp32
+    LayerNorm is not written out; its gradients stay fp32 (the GEMMs' input gradients are never rounded below
+    their own output dtype: :func:`jaxgpt.ops.matmul`).
 
     ``copies``: how many GEMMs read layer_norm(x). The result is ``(x, y_1, ..., y_copies)``, the same y each time;
     given one copy per GEMM, the backward gets each GEMM's input gradient apart and the kernel sums them as it reads
@@ -283,6 +373,8 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
         raise LayerNormKernelError(f"layer_norm_branch: copies = {copies!r}: the number of GEMMs that read the "
                                    "LayerNorm's output, an int >= 1")
     _check(x, scale, bias)
-    if x.dtype != jnp.float32:
-        raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream), got {x.dtype}")
-    return _branch(x, scale, bias, float(eps), backward, copies)
+    if x.dtype != jnp.float32 or (add is not None and (add.shape != x.shape or add.dtype != jnp.float32)):
+        raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream) and an optional float32 "
+                                   f"add of its shape, got {x.dtype} {tuple(x.shape)} and "
+                                   f"{None if add is None else (str(add.dtype), tuple(add.shape))}")
+    return _branch(x, add, scale, bias, float(eps), backward, copies, jnp.dtype(dtype))

@@ -1,7 +1,8 @@
-"""jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient (in
-Pallas' interpreter) against the fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP
-against autodiff of the plain expression, a tiny GPT under the policy, the policy field, and the compiled tiny H100
-step holding the Pallas Triton kernel once per block LayerNorm (ln_1's summing q, k and v's input gradients).
+"""jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
+the forward kernel that adds the branch and writes ln(x) in the GEMMs' dtype (in Pallas' interpreter) against the
+fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP against autodiff of the plain
+expression (its bf16 output's gradients fp32), a tiny GPT under the policy, the policy field, and the compiled tiny
+H100 step holding both kernels once per block LayerNorm (ln_1's backward summing q, k and v's input gradients).
 
 Bounds (derived, not fitted; u = 2^-24, fp32), as tests/test_norm.py derives them: LayerNorm's dx lies within
 gamma_{C+8} S_dx of the fp64 truth (C the width), d(scale) and d(bias) within gamma_{R+8} of their sums of absolute
@@ -53,6 +54,72 @@ def test_kernel_matches_the_truth_and_the_two_pass_backward(rows, dim):
     _check("kernel vs two-pass dx", out, np.asarray(dresj + dx2, np.float64), 2 * bound)
     _check("kernel vs two-pass dscale", ds.sum(0), np.asarray(ds2, np.float64), 2 * _gamma(rows + 8, U) * t["s_dscale"])
     _check("kernel vs two-pass dbias", db.sum(0), np.asarray(db2, np.float64), 2 * _gamma(rows + 8, U) * t["s_dbias"])
+
+
+@pytest.mark.parametrize("rows, dim", [(300, 96), (256, 768)], ids=["ragged-rows", "gpt2-width"])
+@pytest.mark.parametrize("with_add", [True, False], ids=["add", "no-add"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_forward_kernel_matches_the_truth(rows, dim, with_add, dtype):
+    """layer_norm_forward (interpreted) on ragged rows and a width that is not a power of two: x + add is the fp32
+    sum bit for bit; mean within gamma_C of the sum of |x| / C, rstd within gamma_{C+8} r of the truth (relative; r:
+    tests.test_norm._truth's factor of the variance's error); y within gamma_{C+8} S_y of the fp64 truth in fp32,
+    and in bf16 one more rounding: 2^-8 of |y| plus that bound."""
+    x, add, _, scale, bias = _kernel_inputs(rows, dim, seed=3)
+    xj, sj, bj = (jnp.asarray(a, jnp.float32) for a in (x, scale, bias))
+    aj = jnp.asarray(add, jnp.float32) if with_add else None
+    x_out, y, mean, rstd = norm.layer_norm_forward(xj, aj, sj, bj, eps=EPS, dtype=dtype, interpret=True)
+    want_sum = np.asarray(xj) + (np.asarray(aj) if with_add else 0.0)  # numpy's fp32 add: the same rounding
+    np.testing.assert_array_equal(np.asarray(x_out), want_sum)
+    assert y.dtype == jnp.dtype(dtype) and mean.shape == rstd.shape == (rows, 1)
+    s = np.asarray(want_sum, np.float64)
+    t = _truth(s, np.zeros_like(s), scale, bias)
+    m64 = s.mean(-1, keepdims=True)
+    r64 = 1.0 / np.sqrt(((s - m64) ** 2).mean(-1, keepdims=True) + EPS)
+    a = r64 * (np.abs(s) + np.abs(s).mean(-1, keepdims=True))
+    r = 1.0 + (a * np.abs((s - m64) * r64)).mean(-1, keepdims=True)
+    _check("mean", mean, m64, _gamma(dim, U) * np.abs(s).mean(-1, keepdims=True))
+    _check("rstd", rstd, r64, _gamma(dim + 8, U) * r * r64)
+    e32 = _gamma(dim + 8, U) * t["s_y"]
+    _check("y", np.asarray(y, np.float32), t["y"], e32 if dtype == "float32" else 2.0 ** -8 * (np.abs(t["y"]) + e32) + e32)
+
+
+@pytest.mark.parametrize("backward", ["xla", "interpret"])
+def test_branch_adds_its_input_and_hands_the_gemms_bf16_operands_with_fp32_gradients(backward):
+    """layer_norm_branch(add=a, dtype=bfloat16), as the Block's ln_2 runs it on GPUs: (x + a, ln(x + a) in bf16)
+    read by a GEMM (jaxgpt.ops.matmul, bf16 operands). The GEMM hands back an fp32 input gradient (ops.grad_dtype),
+    so every gradient is bit for bit the one of the fp32 ln(x + a) that the GEMM casts itself; a's gradient is x's;
+    and both lie within the kernel bound of autodiff of the plain expression."""
+    from jaxgpt import ops
+
+    rows, dim, out = 72, 96, 40
+    x, add, dxo, scale, bias = _kernel_inputs(rows, dim, seed=9)
+    r = np.random.default_rng(10)
+    w, g = (jnp.asarray(r.standard_normal(sh) / 4, jnp.float32) for sh in ((dim, out), (rows, out)))
+    xj, aj, dxoj, sj, bj = (jnp.asarray(v, jnp.float32) for v in (x, add, dxo, scale, bias))
+
+    def grads(f):
+        def loss(x, a, s, b):
+            xo, y = f(x, a, s, b)
+            return (xo * dxoj).sum() + (ops.matmul(y, w, dtype=jnp.bfloat16) * g).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(xj, aj, sj, bj)
+
+    def branch(dtype):
+        return lambda x, a, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward, add=a, dtype=dtype)
+
+    y16 = jax.jit(branch(jnp.bfloat16))(xj, aj, sj, bj)[1]
+    assert y16.dtype == jnp.bfloat16
+    got, fp32 = grads(branch(jnp.bfloat16)), grads(branch(jnp.float32))
+    for name, u, v in zip(("d_x", "d_add", "d_scale", "d_bias"), got, fp32):
+        assert u.dtype == jnp.float32 and np.array_equal(np.asarray(u), np.asarray(v)), name
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(got[1]))
+    plain = grads(lambda x, a, s, b: (x + a, _plain_ln(x + a, s, b)))
+    s = np.asarray(xj + aj, np.float64)
+    dy = np.asarray(jax.vjp(lambda y: ops.matmul(y, w, dtype=jnp.bfloat16), _plain_ln(xj + aj, sj, bj))[1](g)[0],
+                    np.float64)
+    t = _truth(s, dy, scale, bias)
+    _check("d_x", got[0], np.asarray(plain[0], np.float64), 2 * _gamma(dim + 9, U) * (t["s_dx"] + np.abs(dxo)))
+    _check("d_scale", got[2], np.asarray(plain[2], np.float64), 2 * _gamma(rows + 8, U) * t["s_dscale"])
+    _check("d_bias", got[3], np.asarray(plain[3], np.float64), 2 * _gamma(rows + 8, U) * t["s_dbias"])
 
 
 def _exact_parts(dy: np.ndarray, n: int, seed: int) -> list[np.ndarray]:
@@ -133,6 +200,12 @@ def test_kernel_and_branch_refuse_what_they_cannot_take():
         norm.layer_norm_backward(ones, [], ones, m, m, jnp.ones(8), interpret=True)
     with pytest.raises(norm.LayerNormKernelError, match=r"\(4, 8\), \(4, 8\), \(4, 16\), \(4, 8\)"):
         norm.layer_norm_backward(ones, [ones, jnp.ones((4, 16))], ones, m, m, jnp.ones(8), interpret=True)
+    with pytest.raises(norm.LayerNormKernelError, match=r"optional float32 add of its shape, got float32 \(4, 8\) and "
+                       r"\('float32', \(4, 16\)\)"):
+        norm.layer_norm_branch(ones, jnp.ones(8), None, eps=EPS, add=jnp.ones((4, 16)))
+    with pytest.raises(norm.LayerNormKernelError, match=r"float32 add of x's shape, got float32 \(4, 8\) and "
+                       r"\('bfloat16', \(4, 8\)\)"):
+        norm.layer_norm_forward(ones, ones.astype(jnp.bfloat16), jnp.ones(8), None, eps=EPS, interpret=True)
 
 
 def _plain_ln(x, scale, bias):
@@ -221,10 +294,10 @@ def test_policy_field_and_train_config():
         TrainConfig.load(None, {"layer_norm": "fast"})
 
 
-def test_tiny_h100_step_runs_the_pallas_kernel_once_per_block_layer_norm_and_micro_step():
-    """The tiny step compiled for the H100 under layer_norm=pallas: one Pallas Triton custom call per block LayerNorm
-    (2 per layer) and micro-step, in LayerNorm's category, priced as a fusion at the least efficient measured fusion
-    rate; every GEMM of a class the calibration measured."""
+def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_micro_step():
+    """The tiny step compiled for the H100 under layer_norm=pallas: two Pallas Triton custom calls (forward and
+    backward) per block LayerNorm (4 per layer) and micro-step, in LayerNorm's category, priced as a fusion at the
+    least efficient measured fusion rate; every GEMM of a class the calibration measured."""
     from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
 
     if PLUGIN_PROBLEM is not None:
@@ -235,14 +308,22 @@ def test_tiny_h100_step_runs_the_pallas_kernel_once_per_block_layer_norm_and_mic
     assert cs.policy.layer_norm == "pallas"
     ks, _ = hlo.kernels(cs.hlo_text())
     triton = [k for k in ks if k.opcode == "__gpu$xla.gpu.triton"]
-    assert len(triton) == 2 * cs.cfg.model.n_layer and all(k.count == cs.micro_steps for k in triton), [
+    assert len(triton) == 4 * cs.cfg.model.n_layer and all(k.count == cs.micro_steps for k in triton), [
         (k.name, k.count) for k in triton]
     assert all(k.category == "LayerNorm" for k in triton), [(k.category, k.op_name) for k in triton]
-    # ln_1's kernels read q, k and v's three input gradients (two more (rows, embed) fp32 arrays than ln_2's one dy),
-    # and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here)
+    fwd = [k for k in triton if "layer_norm_forward_residual" in k.op_name]
+    bwd = [k for k in triton if "layer_norm_backward_residual" in k.op_name]
+    assert len(fwd) == len(bwd) == 2 * cs.cfg.model.n_layer
+    # ln_1's backward kernels read q, k and v's three input gradients (two more (rows, embed) fp32 arrays than ln_2's
+    # one dy), and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here)
     rows_embed = cs.micro_batch * cs.cfg.seq_len * cs.cfg.model.n_embd * 4
-    ln_2 = min(k.bytes for k in triton)
-    assert sorted({k.bytes for k in triton}) == [ln_2, ln_2 + 2 * rows_embed]
+    ln_2 = min(k.bytes for k in bwd)
+    assert sorted({k.bytes for k in bwd}) == [ln_2, ln_2 + 2 * rows_embed]
+    # ln_2's forward kernel reads the attention's output beside x and writes their sum (two more fp32 arrays than
+    # ln_1's), and both write ln(x) in bf16 (half an fp32 array): no XLA pass adds, converts or takes the statistics
+    ln_1 = min(k.bytes for k in fwd)
+    assert sorted({k.bytes for k in fwd}) == [ln_1, ln_1 + 2 * rows_embed]
+    assert ln_1 == rows_embed * 3 // 2 + 2 * 4 * cs.micro_batch * cs.cfg.seq_len + 2 * 4 * cs.cfg.model.n_embd
     assert [k.name for k in ks if k.op_name.endswith("add_any") and k.category != "GELU"] == []
     cal = calibrated.for_target("h100-sxm")
     assert all(cal.rate(k)[1] for k in ks if k.gemm), sorted({k.gemm for k in ks if k.gemm and not cal.rate(k)[1]})

@@ -50,7 +50,7 @@ VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_ge
                   "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
                   "jax_bf16_pallas": {"layer_norm": "pallas", "gelu": "pallas"},  # both Pallas kernels
                   # + bf16 logits (torch.compile's autocast writes them too): the program issue 32 predicts fastest
-                  # (148 ms at b64, BENCHMARKS.md); the compare part measures it beside the default and torch.compile
+                  # (146 ms at b64, BENCHMARKS.md); the compare part measures it beside the default and torch.compile
                   "jax_bf16_fast": {"layer_norm": "pallas", "gelu": "pallas", "logits_dtype": "bfloat16"}}
 
 
