@@ -132,7 +132,7 @@ def _matmul2d_bwd(dtype, precision, res, g):
     # the bf16 GEMMs of the unquantized operands (jaxgpt.ops.matmul's backward; its forward dot is dead code)
     _, pullback = jax.vjp(lambda a, b: ops.matmul(a, b, dtype=dtype, precision=precision), xc, wc)
     dx, dw = pullback(g)
-    return dx.astype(ops.grad_dtype(x_like.dtype, dx.dtype)), dw.astype(jnp.float32)
+    return dx.astype(x_like.dtype), dw.astype(jnp.float32)
 
 
 _matmul2d.defvjp(_forward, _matmul2d_bwd)

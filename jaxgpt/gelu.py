@@ -162,7 +162,7 @@ def _fc_gelu_bwd(dtype, precision, out, backward, res, g):
     # as ops._matmul2d_bwd with gc = dh: (M, N) @ (N, K) rounded as the forward's output; (K, M) @ (M, N) in fp32
     dx = ops._dot(dh, ops.transpose_operand(wc), dtype, precision, out)
     dw = ops._dot(ops.transpose_operand(xc), dh, dtype, precision)
-    return dx.astype(ops.grad_dtype(x_like.dtype, out)), dw, db
+    return dx.astype(x_like.dtype), dw, db
 
 
 _fc_gelu.defvjp(_fc_gelu_fwd, _fc_gelu_bwd)

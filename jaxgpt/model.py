@@ -150,7 +150,7 @@ class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
     Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with
     one-kernel forward and backward on GPUs). ``branch(x)`` is ``(x, ln(x))``: what a Block's residual branch takes;
-    under "pallas" ln(x) comes in ``gemm_dtype``, the operand dtype of the GEMMs that read it."""
+    under "pallas" the GPU's kernel writes ln(x) in ``gemm_dtype``, the operand dtype of the GEMMs that read it."""
 
     def __init__(self, dim: int, *, bias: bool, eps: float, param_dtype=jnp.float32, impl: str = "plain",
                  gemm_dtype=jnp.float32):
@@ -181,9 +181,11 @@ class LayerNorm(nnx.Module):
         is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.norm) whose forward makes the
         sum and ln(x) in one pass on GPUs, and whose backward also adds x's residual gradient and sums the copies'
         gradients itself."""
-        if self.impl != "pallas" or x.dtype != jnp.float32 or (add is not None and add.dtype != jnp.float32):
+        if self.impl != "pallas" or x.dtype != jnp.float32:
             x = x if add is None else x + add
             return (x,) + (self(x),) * copies
+        if add is not None and add.dtype != jnp.float32:  # a bf16 branch (autocast's c_proj without a bias): XLA adds
+            x, add = x + add, None  # it, as before: x + a promotes, and autodiff rounds a's gradient its own way
         with jax.named_scope("layer_norm"):
             bias = self.bias[...] if self.bias is not None else None
             rows = (-1, x.shape[-1])
@@ -313,9 +315,8 @@ def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Arra
 class Block(nnx.Module):
     def __init__(self, config: GPTConfig, *, policy: Policy, rngs: nnx.Rngs):
         eps = config.layer_norm_epsilon
-        # the GEMMs' operand dtype, for ln(x) under layer_norm: pallas; fp32 where the GEMMs are not jaxgpt.ops' or
-        # jaxgpt.fp8's (fast_kernels off), whose backward would round a bf16 input's gradient
-        gemm = policy.dtype if policy.fast_kernels else jnp.float32
+        # the GEMMs' operand dtype: what layer_norm: pallas's forward kernel writes ln(x) in (they cast it to that)
+        gemm = policy.dtype
         self.ln_1 = LayerNorm(config.n_embd, bias=config.bias, eps=eps, param_dtype=policy.param_dtype,
                               impl=policy.layer_norm, gemm_dtype=gemm)
         self.attn = CausalSelfAttention(config, policy=policy, rngs=rngs)

@@ -21,6 +21,8 @@ A single pass (dx and per-block partial sums of d(scale) and d(bias) in one kern
 ``layernorm_backward`` does) needs a kernel that reduces along both axes at once, which no XLA fusion does:
 ``Policy.layer_norm = "pallas"`` is that kernel, a Pallas Triton one (:func:`layer_norm_backward`, below), for the
 blocks' LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also adds the residual stream's gradient.
+Their forward is one Pallas kernel too (:func:`layer_norm_forward`): it adds a branch's output to the residual stream,
+takes the row statistics and writes ln(x) in the GEMMs' operand dtype in one pass, where XLA reads the sum three times.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ NUM_WARPS, NUM_STAGES = 8, 2
 
 
 class LayerNormKernelError(ValueError):
-    """Inputs the LayerNorm backward kernel cannot take (wrong rank or shapes, dtypes)."""
+    """Inputs the LayerNorm kernels or their branch cannot take (wrong rank or shapes, dtypes, settings)."""
 
 
 def _next_pow2(n: int) -> int:
@@ -316,10 +318,10 @@ def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
         if _resolve(backward) == "xla":
             x = x if add is None else x + add
             y, (x, mean, rstd, scale, bias) = _layer_norm_fwd(x, scale, bias, eps)
-            y = y.astype(dtype)
-        else:
+        else:  # written in dtype and returned as fp32: the GEMMs' cast back to dtype folds the pair away in XLA
             x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
                                                   interpret=_resolve(backward) == "interpret")
+            y = y.astype(jnp.float32)
     return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, add_like)
 
 
@@ -357,10 +359,10 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     XLA elsewhere: :func:`jaxgpt.ops.platform`).
 
     ``add``: a branch's output to add to x first (the Block's ``x + attn(...)``): the result is then ``(x + add,
-    layer_norm(x + add), ...)``, the sum made in the forward kernel, and add's gradient is the sum's. ``dtype``: what
-    layer_norm(x) is returned in: the following GEMMs' operand dtype (they cast to it anyway), so that the fp32
-    LayerNorm is not written out; its gradients stay fp32 (the GEMMs' input gradients are never rounded below
-    their own output dtype: :func:`jaxgpt.ops.matmul`).
+    layer_norm(x + add), ...)``, the sum made in the forward kernel, and add's gradient is the sum's. ``dtype``: what the forward kernel writes layer_norm(x) in:
+    the following GEMMs' operand dtype (they cast to it anyway), so that the fp32 LayerNorm is not written out. It is
+    returned as fp32 all the same, so its gradients are fp32 as before: XLA folds the upcast into the GEMMs' cast back
+    (the compiled H100 step reads the kernel's bf16 output directly). The XLA path ignores it (no rounding).
 
     ``copies``: how many GEMMs read layer_norm(x). The result is ``(x, y_1, ..., y_copies)``, the same y each time;
     given one copy per GEMM, the backward gets each GEMM's input gradient apart and the kernel sums them as it reads

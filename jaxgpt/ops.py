@@ -117,15 +117,6 @@ def _dot(a, b, dtype, precision, out=jnp.float32):
     return round_to(lax.dot(a, b, precision=precision, preferred_element_type=jnp.float32), out).astype(out)
 
 
-def grad_dtype(x_dtype, out_dtype) -> jnp.dtype:
-    """The dtype of a GEMM's input gradient: its input's, but never narrower than the GEMM's output (the policy's
-    ``gemm_output``). A bf16 input that a LayerNorm wrote in the GEMM's operand dtype (``layer_norm: pallas``) gets
-    its fp32 gradient back as if it had been fp32 and cast inside the GEMM: JAX takes a wider cotangent for a
-    floating input (``custom_vjp``'s dtype exception), and the gradient is not rounded where autodiff of the fp32
-    input would not round it."""
-    return jnp.promote_types(x_dtype, out_dtype)
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _matmul2d(x, w, dtype, precision, out):
     return _dot(x, w, dtype, precision, out)
@@ -141,7 +132,7 @@ def _matmul2d_bwd(dtype, precision, out, res, g):
     gc = g.astype(dtype)
     dx = _dot(gc, transpose_operand(wc), dtype, precision, out)  # (M, N) @ (N, K), rounded as the forward's output
     dw = _dot(transpose_operand(xc), gc, dtype, precision)  # (K, M) @ (M, N): weight gradients stay fp32
-    return dx.astype(grad_dtype(x_like.dtype, out)), dw
+    return dx.astype(x_like.dtype), dw
 
 
 _matmul2d.defvjp(_matmul2d_fwd, _matmul2d_bwd)

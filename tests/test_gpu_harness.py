@@ -43,7 +43,7 @@ def test_dry_mode_runs_the_gpu_code_path_on_the_cpu(results):
     assert "| gpt2 | **jax_bf16** | 2 |" in md and "Targets" in md
     for r in (j, t):  # every timed call's host time: one window of 5 calls (steps=5)
         h = r["host_call_ms"]
-        assert h["window"] == 5 and 0 < h["median"] and 0 < h["first"] < 1e3 * 5 * r["step_ms"]["max"], h
+        assert h["window"] == 5 and 0 < h["median"] and 0 < h["first"] <= 5 * r["step_ms"]["max"], h  # in its window
     assert "Host time of one step call" in md and f"jax_bf16 b2 {j['host_call_ms']['median']:.1f} / " in md
 
 
@@ -55,6 +55,8 @@ def test_host_calls_are_summarised_per_window():
     (line,) = [s for s in gpu_bench.host_lines([row, {"variant": "x", "batch": 1, "error": "e"}]) if s]
     assert "jax_bf16 b16 3.0 / 30.0 ms (~10.0 ms per step)" in line
     assert gpu_bench.host_lines([{"variant": "torch_compile_bf16", "batch": 16, "host_call_ms": None}]) == []
+    (line,) = [s for s in gpu_bench.host_lines([{**row, "variant": "torch_compile_bf16"}]) if s]
+    assert "torch_compile_bf16 b16 3.0 / 30.0 ms;" not in line and "torch_compile_bf16 b16 3.0 / 30.0 ms." in line
 
 
 def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():

@@ -85,10 +85,10 @@ def test_forward_kernel_matches_the_truth(rows, dim, with_add, dtype):
 
 @pytest.mark.parametrize("backward", ["xla", "interpret"])
 def test_branch_adds_its_input_and_hands_the_gemms_bf16_operands_with_fp32_gradients(backward):
-    """layer_norm_branch(add=a, dtype=bfloat16), as the Block's ln_2 runs it on GPUs: (x + a, ln(x + a) in bf16)
-    read by a GEMM (jaxgpt.ops.matmul, bf16 operands). The GEMM hands back an fp32 input gradient (ops.grad_dtype),
-    so every gradient is bit for bit the one of the fp32 ln(x + a) that the GEMM casts itself; a's gradient is x's;
-    and both lie within the kernel bound of autodiff of the plain expression."""
+    """layer_norm_branch(add=a, dtype=bfloat16), as the Block's ln_2 runs it on GPUs: (x + a, ln(x + a)) with the
+    kernel's ln(x + a) written in bf16 and returned as fp32, read by a GEMM (jaxgpt.ops.matmul, bf16 operands). Every
+    gradient is fp32 and bit for bit the one of the unrounded ln(x + a) that the GEMM casts itself (the same bf16
+    operand); a's gradient is x's; and both lie within the kernel bound of autodiff of the plain expression."""
     from jaxgpt import ops
 
     rows, dim, out = 72, 96, 40
@@ -107,7 +107,8 @@ def test_branch_adds_its_input_and_hands_the_gemms_bf16_operands_with_fp32_gradi
         return lambda x, a, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward, add=a, dtype=dtype)
 
     y16 = jax.jit(branch(jnp.bfloat16))(xj, aj, sj, bj)[1]
-    assert y16.dtype == jnp.bfloat16
+    assert y16.dtype == jnp.float32  # the kernel's bf16 values (the XLA path's are not rounded)
+    assert np.array_equal(np.asarray(y16), np.asarray(y16.astype(jnp.bfloat16), np.float32)) == (backward != "xla")
     got, fp32 = grads(branch(jnp.bfloat16)), grads(branch(jnp.float32))
     for name, u, v in zip(("d_x", "d_add", "d_scale", "d_bias"), got, fp32):
         assert u.dtype == jnp.float32 and np.array_equal(np.asarray(u), np.asarray(v)), name
@@ -264,6 +265,18 @@ def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
     np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
     assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
         Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+
+
+@pytest.mark.parametrize("name, policy, bias", [
+    ("bf16 + gelu: pallas", lambda ln: Policy.bf16(layer_norm=ln, gelu="pallas"), True),
+    ("bf16-autocast", lambda ln: Policy.bf16_autocast(layer_norm=ln), True),
+    ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(layer_norm=ln), False),
+    ("fp8", lambda ln: Policy.fp8_policy(layer_norm=ln), True)], ids=lambda v: v if isinstance(v, str) else "")
+def test_pallas_trains_as_fused_under_the_other_opt_in_policies(name, policy, bias, monkeypatch):
+    """On CPUs layer_norm: pallas is fused's passes: under the other policies its branch (adding the attention's
+    output itself, or leaving a bf16 one to XLA's add) takes 4 AdamW steps to fused's losses bit for bit."""
+    monkeypatch.setattr(norm, "_resolve", lambda b: "xla")
+    assert tiny_adamw_losses(policy("pallas"), bias=bias) == tiny_adamw_losses(policy("fused"), bias=bias), name
 
 
 def test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_losses(monkeypatch):

@@ -15,10 +15,11 @@ from jaxgpt.model import GPT
 from jaxgpt.precision import Policy
 
 
-def tiny_adamw_losses(policy: Policy, steps: int = 4) -> list[float]:
+def tiny_adamw_losses(policy: Policy, steps: int = 4, *, bias: bool = True) -> list[float]:
     """Losses of ``steps`` AdamW steps of the tiny GPT (a 256-token vocabulary: the blocks are what is tested, and
-    the lm_head's 50,257 columns would triple the compile time) on one fixed batch of 2 x 16 tokens."""
-    cfg = dataclasses.replace(GPTConfig.preset("tiny"), vocab_size=256)
+    the lm_head's 50,257 columns would triple the compile time; ``bias``: its layers' biases) on one fixed batch of
+    2 x 16 tokens."""
+    cfg = dataclasses.replace(GPTConfig.preset("tiny"), vocab_size=256, bias=bias)
     idx = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
     tgt = jnp.roll(idx, -1, axis=1)
     model = GPT(cfg, policy=policy, rngs=nnx.Rngs(params=0))
