@@ -313,7 +313,7 @@ def _branch(x, add, scale, bias, eps, backward, copies, dtype):
 
 
 def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
-    add_like = None if add is None else jnp.zeros((), add.dtype)
+    had_add = None if add is None else jnp.zeros((), jnp.float32)  # a residual: whether add's gradient is due
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":
             x = x if add is None else x + add
@@ -322,13 +322,13 @@ def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
             x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
                                                   interpret=_resolve(backward) == "interpret")
             y = y.astype(jnp.float32)
-    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, add_like)
+    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, had_add)
 
 
 def _branch_bwd(eps, backward, copies, dtype, res, cotangents):
-    del eps, copies, dtype  # eps: inside rstd; copies: the cotangents' count; dtype: the dy parts' own
+    del eps, copies, dtype  # eps: inside rstd; copies: the cotangents' count; dtype: the forward kernel's only
     d_x_out, *dys = cotangents
-    x, mean, rstd, scale, bias, add_like = res
+    x, mean, rstd, scale, bias, had_add = res
     res = res[:5]
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
@@ -342,7 +342,7 @@ def _branch_bwd(eps, backward, copies, dtype, res, cotangents):
                                              interpret=_resolve(backward) == "interpret")
             d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
                 bias.dtype)
-        return dx, None if add_like is None else dx.astype(add_like.dtype), d_scale, d_bias
+        return dx, None if had_add is None else dx, d_scale, d_bias
 
 
 _branch.defvjp(_branch_fwd, _branch_bwd)
@@ -359,10 +359,11 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     XLA elsewhere: :func:`jaxgpt.ops.platform`).
 
     ``add``: a branch's output to add to x first (the Block's ``x + attn(...)``): the result is then ``(x + add,
-    layer_norm(x + add), ...)``, the sum made in the forward kernel, and add's gradient is the sum's. ``dtype``: what the forward kernel writes layer_norm(x) in:
-    the following GEMMs' operand dtype (they cast to it anyway), so that the fp32 LayerNorm is not written out. It is
-    returned as fp32 all the same, so its gradients are fp32 as before: XLA folds the upcast into the GEMMs' cast back
-    (the compiled H100 step reads the kernel's bf16 output directly). The XLA path ignores it (no rounding).
+    layer_norm(x + add), ...)``, the sum made in the forward kernel, and add's gradient is the sum's. ``dtype``: what
+    the forward kernel writes layer_norm(x) in: the following GEMMs' operand dtype (they cast to it anyway), so that
+    the fp32 LayerNorm is not written out. It is returned as fp32 all the same, so its gradients are fp32 as before:
+    XLA folds the upcast into the GEMMs' cast back (the compiled H100 step reads the kernel's bf16 output directly).
+    The XLA path ignores it (no rounding).
 
     ``copies``: how many GEMMs read layer_norm(x). The result is ``(x, y_1, ..., y_copies)``, the same y each time;
     given one copy per GEMM, the backward gets each GEMM's input gradient apart and the kernel sums them as it reads
