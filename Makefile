@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train   creates .venv if needed, then runs the default training job (Shakespeare on CPU)
-#   make test    creates .venv if needed, then runs the default test suite
+#   make test    creates .venv if needed, then runs the default test suite (on 2 pytest-xdist workers:
+#                `make test TEST_WORKERS=0` runs it in one process)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -23,8 +24,12 @@ gpu-compile: $(VENV)/.installed
 train: $(VENV)/.installed
 	$(PY) -m jaxgpt.train $(ARGS)
 
+# one test file per worker at a time (a file's module fixtures, e.g. its shared training runs, are built once), in
+# collection order (parity_tests/ last, as in one process); README "Tests"
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 test-all: $(VENV)/.installed
 	$(PY) -m pytest -m '' $(ARGS)

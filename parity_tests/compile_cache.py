@@ -13,7 +13,9 @@ Where: ``$JAXGPT_PARITY_JAX_CACHE`` if set (``off`` disables it), else pytest's 
 the within-run hits), else ``$XDG_CACHE_HOME/jaxgpt`` (``~/.cache``) when pytest runs with ``-p
 no:cacheprovider``; a cache directory the user set for JAX (``JAX_COMPILATION_CACHE_DIR``) is used as it is. Below
 it, one directory per CPU kind (the host's instruction-set flags), so an executable compiled for an AVX-512 or
-AMX host is never loaded on an AVX2-only one that shares the working tree.
+AMX host is never loaded on an AVX2-only one that shares the working tree. Under pytest-xdist (``pytest -n 2``)
+each worker has a directory of its own below that (``gw0``, ``gw1``, ...): JAX writes a cache entry in place, not
+by renaming a finished file, so a worker could otherwise load another's half-written entry.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def cpu_kind() -> str:
     return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
-def cache_dir(pytest_cache_dir: Path | None) -> Path | None:
-    """Where the parity run's cache goes (None: off, or the user's own JAX cache directory is in charge)."""
+def cache_dir(pytest_cache_dir: Path | None, worker: str | None = None) -> Path | None:
+    """Where the parity run's cache goes (None: off, or the user's own JAX cache directory is in charge); ``worker``:
+    the pytest-xdist worker's id (``gw0``, ...), whose directory is its own."""
     import jax
 
     choice = os.environ.get(ENV, "")
@@ -53,7 +56,7 @@ def cache_dir(pytest_cache_dir: Path | None) -> Path | None:
         base = pytest_cache_dir
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxgpt" / "jax-compilation-cache"
-    return base / cpu_kind()
+    return base / cpu_kind() / worker if worker else base / cpu_kind()
 
 
 @contextlib.contextmanager

@@ -13,8 +13,9 @@ scoped fixture's compilations land on the first case that uses it.
 
 Enabled by ``JAXGPT_COMPILE_COUNTS=FILE`` (parity_tests/conftest.py loads the hooks): at the end of the session the
 per-case counts and their totals go to FILE as JSON and a summary table (the totals and the most-compiling cases)
-is printed. Unset, nothing is registered. ``python -m parity_tests.compile_counts BEFORE.json AFTER.json`` prints
-the two side by side.
+is printed. Unset, nothing is registered. The counts are one process's (a case pays for what no case before it in
+that process compiled), so a run split over pytest-xdist workers is refused: count without ``-n``. ``python -m
+parity_tests.compile_counts BEFORE.json AFTER.json`` prints the two side by side.
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ _per_case: dict[str, Counts] = {}
 
 def enabled() -> bool:
     return bool(os.environ.get(ENV))
+
+
+def pytest_configure(config):
+    if enabled() and (getattr(config.option, "dist", "no") != "no" or hasattr(config, "workerinput")):
+        raise pytest.UsageError(f"${ENV} counts the compilations of one pytest process, and this run is split over "
+                                "pytest-xdist workers (-n): run it without -n (or with -n 0)")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -7,9 +7,7 @@ compilations of every case counted (compile_counts.py)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,8 +16,9 @@ import torch
 from flax import nnx
 
 from compile_cache import cache_dir, persistent_cache
-from compile_counts import (pytest_runtest_logreport, pytest_runtest_protocol,  # noqa: F401 (hooks: compile_counts.py)
-                            pytest_sessionfinish, pytest_terminal_summary)
+from compile_counts import (pytest_configure, pytest_runtest_logreport,  # noqa: F401 (hooks: compile_counts.py)
+                            pytest_runtest_protocol, pytest_sessionfinish, pytest_terminal_summary)
+from report_file import merge_into
 
 
 def _jax_has_gpu() -> bool:
@@ -33,7 +32,8 @@ def _jax_has_gpu() -> bool:
 def persistent_compilation_cache(request):
     """JAX's persistent compilation cache for the whole parity run (compile_cache.py says where and why)."""
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    path = cache_dir(cache.mkdir("jax-compilation-cache") if cache is not None else None)
+    worker = getattr(request.config, "workerinput", {}).get("workerid")  # pytest-xdist's worker, if one
+    path = cache_dir(cache.mkdir("jax-compilation-cache") if cache is not None else None, worker)
     if path is None:  # off, or the user's own JAX_COMPILATION_CACHE_DIR is in charge
         yield None
         return
@@ -153,10 +153,8 @@ def _parity_numbers():
     numbers: dict[str, dict[str, float]] = {}
     yield numbers
     path = os.environ.get("JAXGPT_PARITY_REPORT")
-    if path and numbers:  # merged into the file, so several runs (or files) add up to one report
-        path = Path(path)
-        old = json.loads(path.read_text()) if path.is_file() else {}
-        path.write_text(json.dumps({**old, **numbers}, indent=2, sort_keys=True) + "\n")
+    if path and numbers:  # merged into the file, so several runs, files or xdist workers add up to one report
+        merge_into(path, numbers)
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """parity_tests/compile_counts.py counts what it claims: one XLA compilation per executable JAX builds (a function
 jitted anew compiles again, a shared one once), the persistent cache's hits among them, and per test case through
-its pytest hooks (JAXGPT_COMPILE_COUNTS)."""
+its pytest hooks (JAXGPT_COMPILE_COUNTS). Under pytest-xdist the parity harness shares nothing unsafely: each worker
+has a persistent cache directory of its own, the parity report's merges take turns, and the per-process compile
+counts refuse a distributed run."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parity_tests.compile_cache import persistent_cache
+from parity_tests.compile_cache import cache_dir, cpu_kind, persistent_cache
 from parity_tests.compile_counts import compare, counting
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +101,47 @@ def test_pytest_hooks_write_per_case_counts(tmp_path):
     assert total["cases"] == 3 and total["xla_compiles"] == sum(c["xla_compiles"] for c in cases.values())
     assert "compile counts: 3 cases" in run.stdout
     assert "test_two_fresh" in compare(data, data)
+
+
+def test_each_xdist_worker_has_a_cache_directory_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAXGPT_PARITY_JAX_CACHE", raising=False)
+    assert cache_dir(tmp_path) == tmp_path / cpu_kind()
+    assert cache_dir(tmp_path, "gw1") == tmp_path / cpu_kind() / "gw1"
+    monkeypatch.setenv("JAXGPT_PARITY_JAX_CACHE", "off")
+    assert cache_dir(tmp_path, "gw1") is None
+
+
+def test_compile_counts_refuse_a_run_split_over_xdist_workers(tmp_path):
+    (tmp_path / "conftest.py").write_text("from parity_tests.compile_counts import pytest_configure  # noqa\n")
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    env = dict(os.environ, JAXGPT_COMPILE_COUNTS=str(tmp_path / "counts.json"),
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", str(tmp_path)]
+    split = subprocess.run([*args, "-n", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert split.returncode == 4 and "run it without -n" in split.stderr, split.stdout[-2000:] + split.stderr[-2000:]
+    assert not (tmp_path / "counts.json").exists()
+    serial = subprocess.run([*args, "-n", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert serial.returncode == 0, serial.stdout[-2000:] + serial.stderr[-2000:]
+
+
+MERGER = """
+import sys
+from parity_tests.report_file import merge_into
+for i in range(int(sys.argv[3])):
+    merge_into(sys.argv[1], {f"{sys.argv[2]}-{i}": {"x": float(i)}})
+"""
+
+
+def test_parity_report_merges_from_processes_ending_at_once_lose_nothing(tmp_path):
+    """Two processes merging into $JAXGPT_PARITY_REPORT at the same time (as xdist's workers do at their sessions'
+    ends), 150 merges each: every key of both is in the report."""
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"earlier": {"x": 1.0}}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-c", MERGER, str(report), name, "150"], cwd=tmp_path, env=env)
+             for name in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    data = json.loads(report.read_text())
+    assert set(data) == {"earlier"} | {f"{n}-{i}" for n in "ab" for i in range(150)}
+    assert data["b-149"] == {"x": 149.0}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.json.lock"]  # no temporary left
