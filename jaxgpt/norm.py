@@ -142,6 +142,14 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _tile(first: int, sub: int, rows: int, col, col_ok):
+    """``sub`` rows from ``first`` over the masked columns: (row ids, row mask, tile mask, tile index) for the kernels'
+    loads and stores."""
+    row = first + jnp.arange(sub)
+    row_ok = row < rows
+    return row, row_ok, row_ok[:, None] & col_ok[None, :], (row[:, None], col[None, :])
+
+
 def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int):
     """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
     ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
@@ -158,10 +166,7 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int):
     scale = plgpu.load(scale_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)
 
     def step(s, acc):
-        row = i * block + s * sub + jnp.arange(sub)
-        row_ok = row < rows
-        ok = row_ok[:, None] & col_ok[None, :]
-        at = (row[:, None], col[None, :])
+        row, row_ok, ok, at = _tile(i * block + s * sub, sub, rows, col, col_ok)
         x = plgpu.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         dy = plgpu.load(dy_refs[0].at[at], mask=ok, other=0.0).astype(jnp.float32)
         for dy_ref in dy_refs[1:]:  # the other GEMMs' input gradients: XLA would add them in a pass of its own
@@ -248,10 +253,7 @@ def _forward_kernel(x_ref, *refs, has_add: bool, block: int, sub: int, width: in
     bias = plgpu.load(bias_ref.at[col], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
 
     def step(s, carry):
-        row = i * block + s * sub + jnp.arange(sub)
-        row_ok = row < rows
-        ok = row_ok[:, None] & col_ok[None, :]
-        at = (row[:, None], col[None, :])
+        row, row_ok, ok, at = _tile(i * block + s * sub, sub, rows, col, col_ok)
         x = plgpu.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         if has_add:  # the residual stream plus the branch: XLA would write it, then read it twice for the statistics
             x = x + plgpu.load(add_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
