@@ -24,7 +24,7 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fused_loss, gelu, norm, ops
+from jaxgpt import fused_loss, gelu, gelu_gemm, gemm, norm, ops
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -210,16 +210,22 @@ class Linear(nnx.Module):
         y = self.policy.matmul(x, self.kernel[...], gemm=self.gemm)  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
 
-    def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int
+    def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int, *, cast: bool = False
               ) -> list[Float[Array, "... d_out/n"]]:
         """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense. ``x``
-        may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies)."""
+        may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies). ``cast``: the blocks feed a
+        consumer that rounds them to the compute dtype (attention), and Policy.qkv = "pallas" lets each GEMM's
+        epilogue do that rounding (jaxgpt.gemm.linear_cast: the same values)."""
         xs = list(x) if isinstance(x, (list, tuple)) else [x] * n
         if len(xs) != n:
             raise ValueError(f"Linear.split: {len(xs)} inputs for {n} column blocks: pass one input, or one per block")
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
+        if cast and self.policy.qkv == "pallas":
+            p = self.policy
+            return [gemm.linear_cast(xi, wi, bi, dtype=p.dtype, precision=p.lax_precision)
+                    for xi, wi, bi in zip(xs, w, b, strict=True)]
         return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi)
                 for xi, wi, bi in zip(xs, w, b, strict=True)]
 
@@ -259,7 +265,7 @@ class CausalSelfAttention(nnx.Module):
             # GPUs: one GEMM per projection (the weight's column blocks), so q, k and v come out dense as cuDNN
             # takes them; splitting one (B, T, 3C) output was 36 copy kernels forward and 24 concatenates backward
             # in the compiled H100 step (BENCHMARKS.md, "GPU, compiled")
-            qkv = self.c_attn.split(x, 3)
+            qkv = self.c_attn.split(x, 3, cast=cache is None)  # attention rounds them to bf16 (Policy.qkv)
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_head) for t in qkv)
         mask = None
         if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place
@@ -296,6 +302,8 @@ class MLP(nnx.Module):
             y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
             with jax.named_scope("gelu"):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
+        elif fc.policy.gelu == "pallas-gemm":  # the same values; GELU in the two GEMMs' epilogues on GPUs
+            return dropout(self._gelu_in_gemms(x), self.dropout, dropout_key)
         elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.gelu)
             p = fc.policy
             h = gelu.fc_gelu(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], dtype=p.dtype,
@@ -305,6 +313,14 @@ class MLP(nnx.Module):
             with jax.named_scope("gelu"):
                 h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
         return dropout(self.c_proj(h), self.dropout, dropout_key)
+
+    def _gelu_in_gemms(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
+        """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"); c_proj's bias added
+        here, as Linear adds it."""
+        fc, proj, p = self.c_fc, self.c_proj, self.c_fc.policy
+        y = gelu_gemm.mlp(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], proj.kernel[...],
+                          dtype=p.dtype, precision=p.lax_precision, out_dtype=p.out_dtype)
+        return y + proj.bias[...] if proj.bias is not None else y
 
 
 def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Array, "... d"]:

@@ -54,8 +54,16 @@ class Policy:
     # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
     # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
-    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU)
-    gelu: Literal["plain", "pallas"] = "plain"
+    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm" (jaxgpt.gelu_gemm):
+    # GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's input-gradient GEMM
+    # applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16 compute; the same values as
+    # plain; XLA's path elsewhere); the same needs as pallas
+    gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"
+    # the attention's q, k and v projections (jaxgpt.gemm.linear_cast): "plain" (on GPUs each GEMM writes fp32 and
+    # attention's convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose
+    # epilogue adds the bias and writes the bf16 that attention takes: the same values; GPUs with bf16 compute, the
+    # plain path elsewhere). Needs gemm_output float32 and no fp8 on the attention's GEMMs
+    qkv: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
@@ -74,8 +82,16 @@ class Policy:
         if self.layer_norm not in ("plain", "fused", "pallas"):
             raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused', "
                               "'pallas'")
-        if self.gelu not in ("plain", "pallas"):
-            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas'")
+        if self.gelu not in ("plain", "pallas", "pallas-gemm"):
+            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas', 'pallas-gemm'")
+        if self.qkv not in ("plain", "pallas"):
+            raise ConfigError(f"Policy.qkv = {self.qkv!r}: allowed values are 'plain', 'pallas'")
+        if self.qkv == "pallas" and (self.gemm_output != "float32" or self.fp8_on("attn") or self.attention == "einsum"):
+            raise ConfigError(f"Policy.qkv = 'pallas' rounds the fp32 GEMM output of q, k and v once, in the GEMM, for an "
+                              f"attention that rounds them anyway; got gemm_output {self.gemm_output!r}, fp8 "
+                              f"{self.fp8!r}, attention {self.attention!r} (einsum's backward would round dq, dk, dv "
+                              "too): use precision bf16 or fp32 (or fp8 without its attention GEMMs) and attention "
+                              "auto, or qkv: plain")
         if self.logits_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
@@ -91,9 +107,9 @@ class Policy:
                                    or not self.fast_kernels):
             raise ConfigError(f"Policy.fp8 = {self.fp8!r} needs compute_dtype bfloat16 (or float32), gemm_output "
                               "float32 and fast_kernels: use Policy.fp8_policy() or precision: fp8")
-        if self.gelu == "pallas" and (self.gemm_output != "float32" or self.fp8_on("mlp")
+        if self.gelu != "plain" and (self.gemm_output != "float32" or self.fp8_on("mlp")
                                        or self.compute_dtype not in ("bfloat16", "float32") or not self.fast_kernels):
-            raise ConfigError(f"Policy.gelu = 'pallas' replaces the MLP backward of the default numerics (bf16 or fp32 "
+            raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or fp32 "
                               f"compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
                               f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
                               f"fast_kernels {self.fast_kernels}: use precision bf16 or fp32, or gelu: plain")

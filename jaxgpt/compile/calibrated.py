@@ -15,7 +15,9 @@ The rates are fitted offline (``benchmarks/gpu/calibrate.py``) from a profile of
 matched kernel by kernel to that program's optimized HLO, and stored with their provenance beside this module
 (``calibration-<device>.json``). A kernel of a class the trace never saw (a new layout, an fp8 GEMM, a Pallas
 kernel, a collective) takes the least efficient measured class of its kind (for a collective: of the
-bandwidth-bound kinds) and is marked uncalibrated. The roofline (:mod:`jaxgpt.compile.predict`) stays the lower
+bandwidth-bound kinds) and is marked uncalibrated. A Pallas GEMM (jaxgpt.gemm's) is read as its GEMM, a class of
+its own (so the least efficient measured GEMM rate), and its epilogue's extra bytes, a Pallas kernel (the least
+efficient fusion rate), one after the other. The roofline (:mod:`jaxgpt.compile.predict`) stays the lower
 bound beside it.
 """
 
@@ -66,7 +68,8 @@ def kernel_class(k: Kernel) -> tuple[str, str]:
     if k.opcode.startswith("__cudnn"):
         return "attention", k.opcode
     if k.gemm:  # "bf16->f32 NT": the engine (cuBLAS or Triton) is left out: autotuning on the GPU picks either
-        return "gemm", k.gemm.split(" ", 1)[1]
+        engine, cls = k.gemm.split(" ", 1)
+        return "gemm", k.gemm if engine == "pallas" else cls  # a Pallas GEMM (jaxgpt's own) is a class of its own
     if k.opcode in COLLECTIVES:
         return "collective", k.opcode
     if k.opcode in ("copy", "copy-start", "transpose"):

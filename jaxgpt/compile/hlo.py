@@ -151,8 +151,9 @@ class Kernel:
     matmul_dtype: str | None  # operand dtype of its GEMM, if it has one
     op_name: str
     loop_depth: int = 0  # 0: runs once per step; 1: inside the accumulation loop; ...
-    gemm: str = ""  # a GEMM's engine, dtypes and layout: "cublas bf16->f32 NT" (N: contracted on the operand's
-    #                 own side of a row-major matmul, lhs columns / rhs rows; T: the other), "" if no GEMM
+    gemm: str = ""  # a GEMM's engine (cublas, triton: XLA's; pallas: jaxgpt's kernels), dtypes and layout:
+    #                 "cublas bf16->f32 NT" (N: contracted on the operand's own side of a row-major matmul, lhs
+    #                 columns / rhs rows; T: the other), "" if no GEMM
 
 
 def _dot_flops(result: Array, lhs: Array, contracting: list[int]) -> float:
@@ -189,7 +190,8 @@ class Rollup:
                 continue
             if ins.opcode in FREE or ins.opcode.endswith("-done"):  # async "-done": the wait, no data moved
                 continue
-            self.kernels.append(self._kernel(comp, ins, times, loop_depth))
+            kernel = self._kernel(comp, ins, times, loop_depth)
+            self.kernels += self._pallas_gemm(comp, ins, kernel) if pallas_name(ins).startswith("gemm_") else [kernel]
 
     # ---- one kernel -----------------------------------------------------------------------------------------
     def _operand_bytes(self, comp: str, ins: Instr) -> float:
@@ -274,6 +276,31 @@ class Rollup:
         return Kernel(ins.name, kind, categorize(ins, kind, dot_dtype), flops, nbytes, times, dot_dtype, ins.op_name,
                       loop_depth, gemm)
 
+    def _pallas_gemm(self, comp: str, ins: Instr, kernel: Kernel) -> list[Kernel]:
+        """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's) as two kernels:
+        the GEMM (its first operand is the lhs (M, K), its second the rhs, (K, N) for nn or (N, K) for nt, its first
+        result (M, N): 2 M N K FLOPs and those three arrays' bytes) and its epilogue (every other operand and result:
+        bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the epilogue's extra
+        traffic."""
+        name = pallas_name(ins)
+        layout = name[len("gemm_"):len("gemm_") + 2]
+        lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[:2])
+        out = ins.shapes[0]
+        m, k = lhs.dims if len(lhs.dims) == 2 else (0, 0)
+        want = {"nn": (k, out.dims[-1]), "nt": (out.dims[-1], k)}.get(layout)
+        if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != want:
+            raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* and takes (M, K) "
+                             f"and (K, N) (nn) or (N, K) (nt) operands first and writes (M, N) first, got {lhs}, {rhs} "
+                             f"-> {out}")
+        gemm_bytes = lhs.bytes + rhs.bytes + out.bytes
+        gemm = dataclasses.replace(
+            kernel, flops=2.0 * out.elements * k, bytes=gemm_bytes, matmul_dtype=lhs.dtype,
+            category=categorize(ins, kernel.opcode, lhs.dtype),
+            gemm=_gemm_class("pallas", lhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1]))
+        epilogue = dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0,
+                                       bytes=kernel.bytes - gemm_bytes)
+        return [gemm, epilogue]
+
     def _fused_gemm(self, comp: str, out_dtype: str) -> str:
         """The class of the (first) dot inside a fused GEMM computation (a Triton GEMM fusion)."""
         for i in self.m.computations.get(comp, []):
@@ -303,6 +330,14 @@ class Rollup:
             matmuls = 5 if "Backward" in target else 2  # fwd: QK^T, PV; bwd: QK^T again, dV, dP, dQ, dK
             return 2.0 * matmuls * pairs * d, q.dtype
         return 0.0, None
+
+
+def pallas_name(ins: Instr) -> str:
+    """The name a Pallas Triton kernel was given (``pallas_call(name=...)``, kept in its backend config), or ""."""
+    if ins.opcode != "custom-call" or "xla.gpu.triton" not in ins.attrs:
+        return ""
+    m = re.search(r'\bname\s*=\s*"([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
 
 
 def _gemm_class(engine: str, in_dtype: str, out_dtype: str, ranks: list[int], lhs_c: list[int],

@@ -1,0 +1,233 @@
+"""jaxgpt.gelu_gemm (Policy.gelu = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
+against the fp64 truth and XLA's expression, the MLP's custom VJP against autodiff of the plain MLP, a tiny GPT under
+the policy, the policy field, and the compiled tiny H100 step holding the kernels, read as GEMMs.
+
+Bounds (derived, not fitted; u = 2^-24, gamma_n = n u / (1 - n u)). The bf16 x bf16 products are exact in fp32, so a
+K-term fp32 sum in any order lies within gamma_K sum |x| |w| of the exact one; the GEMM's accumulator is the same
+value as XLA's but for that order. The forward's h adds the bias (one more rounding: gamma_{K+1} against sum |x| |w|
++ |b|). gelu(h) in fp32 is within 16 u |h| (1 + |a|) of its exact value at that h (a = K (h + C3 h^3); the tanh form's
+roundings, each against the magnitude it rounds) and moves by at most 1.13 |dh| (GELU's slope is below 1.13), and
+bf16 rounds it once more: one bf16 ulp of the larger of two such values. The backward's dh = dg * gelu'(h) takes
+tests/test_gelu_kernel.py's fp32 bound 16 u S (with the GEMM's dg for g) plus |gelu'(h)| times dg's sum-order bound,
+and one bf16 ulp; the bias gradient sums R rows as there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import gelu, gelu_gemm, gemm, ops
+from jaxgpt.config import ConfigError
+from jaxgpt.precision import Policy
+from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma, _truth
+from tests.tiny_training import tiny_adamw_losses
+
+BF16 = jnp.bfloat16
+SMALL = (32, 64, 16)  # (bm, bn, bk): several tiles and K steps at the tests' sizes
+
+
+def _bf16(a) -> jax.Array:
+    return jnp.asarray(a, jnp.float32).astype(BF16)
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+def _fwd_inputs(m: int, k: int, n: int, seed: int = 0):
+    r = np.random.default_rng(seed)
+    return (_bf16(r.standard_normal((m, k))), _bf16(3.0 / np.sqrt(k) * r.standard_normal((k, n))),
+            jnp.asarray(0.5 * r.standard_normal(n), jnp.float32))
+
+
+def _gelu_err(h: np.ndarray) -> np.ndarray:
+    a = gelu.K * (h + gelu.C3 * h ** 3)
+    return 16 * U * np.abs(h) * (1 + np.abs(a))
+
+
+@pytest.mark.parametrize("m, k, n, block", [(96, 64, 256, SMALL), (100, 48, 200, SMALL), (256, 128, 256, None)],
+                         ids=["tiles", "ragged", "default-blocks"])
+def test_forward_kernel_against_the_truth_and_xla(m, k, n, block):
+    """h within its fp32 bound of the fp64 truth (as XLA's is); the bf16 gelu(h) within one bf16 ulp plus the
+    derived bound of XLA's; rows, columns and K that are not multiples of the blocks (zero-padded) included."""
+    x, w, b = _fwd_inputs(m, k, n)
+    h, y = gelu_gemm.fc_gemm_gelu(x, w, b, interpret=True, block=block)
+    assert (h.dtype, y.dtype, h.shape, y.shape) == (jnp.float32, BF16, (m, n), (m, n))
+    absw = np.abs(_f64(x)) @ np.abs(_f64(w)) + np.abs(_f64(b))
+    truth = _f64(x) @ _f64(w) + _f64(b)
+    h_x = ops._dot(x, w, BF16, None) + b
+    y_x = jax.nn.gelu(h_x, approximate=True).astype(BF16)
+    _check("kernel h", h, truth, _gamma(k + 1) * absw + 1e-30)
+    _check("xla h", h_x, truth, _gamma(k + 1) * absw + 1e-30)
+    hb = np.abs(truth) + _gamma(k + 1) * absw
+    bound = 1.13 * 2 * _gamma(k + 1) * absw + 2 * _gelu_err(hb)
+    _check("kernel y", y, y_x, _bf16_ulp(y, y_x) + bound + 1e-30)
+    h0, _ = gelu_gemm.fc_gemm_gelu(x, w, None, interpret=True, block=block)  # no bias: a zero one
+    _check("no-bias h", h0, _f64(x) @ _f64(w), _gamma(k) * absw + 1e-30)
+
+
+@pytest.mark.parametrize("m, k, n, block", [(96, 64, 256, SMALL), (100, 48, 200, SMALL), (256, 128, 256, None)],
+                         ids=["tiles", "ragged", "default-blocks"])
+def test_backward_kernel_against_the_truth_and_xla(m, k, n, block):
+    """dh = (g @ w^T) gelu'(h), bf16, within one bf16 ulp plus the derived bound of the XLA path's (c_proj's dx GEMM,
+    then jaxgpt.gelu's expression); the bias gradient (the partial sums' sum) within the fp32 bound of the truth."""
+    r = np.random.default_rng(1)
+    g, w = _bf16(r.standard_normal((m, k))), _bf16(r.standard_normal((n, k)) / np.sqrt(k))
+    h = jnp.asarray(3.0 * r.standard_normal((m, n)), jnp.float32)
+    dh, sums = gelu_gemm.proj_gemm_gelu_backward(g, w, h, interpret=True, block=block)
+    bm = gemm.blocks(m, n, k, block)[0]
+    assert (dh.dtype, sums.dtype, dh.shape, sums.shape) == (BF16, jnp.float32, (m, n), (-(-m // bm), n))
+    dg_truth = _f64(g) @ _f64(w).T
+    dg_bound = _gamma(k) * (np.abs(_f64(g)) @ np.abs(_f64(w)).T)
+    dh_truth, s = _truth(dg_truth, _f64(h))
+    slope = np.abs(gelu.gelu_grad(np.asarray(h, np.float64)))
+    fp32_bound = 16 * U * (s + np.abs(dg_bound) * (s / np.maximum(np.abs(dg_truth), 1e-30))) + slope * dg_bound
+    dh_x, sums_x = gelu.gelu_backward_xla(ops._dot(g, ops.transpose_operand(w), BF16, None), h)
+    _check("bf16 dh", dh, dh_x, _bf16_ulp(dh, dh_x) + 2 * fp32_bound + 1e-30)
+    bound = fp32_bound.sum(0) + _gamma(m) * np.abs(dh_truth).sum(0)
+    _check("kernel d(bias)", sums.sum(0), dh_truth.sum(0), bound + _gamma(sums.shape[0]) * np.abs(dh_truth).sum(0))
+    _check("xla d(bias)", sums_x.sum(0), dh_truth.sum(0), bound)
+
+
+def test_kernels_refuse_what_they_cannot_take():
+    x, w, b = _fwd_inputs(8, 16, 32)
+    with pytest.raises(gelu_gemm.GemmKernelError, match=r"x must be \(rows, d_in\).*reshape"):
+        gelu_gemm.fc_gemm_gelu(x[None], w, b, interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32"):
+        gelu_gemm.fc_gemm_gelu(x.astype(jnp.float32), w, b, interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(d_in, d_ff\)"):
+        gelu_gemm.fc_gemm_gelu(x, w.T, b, interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="h must be float32, got bfloat16"):
+        gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 32), BF16), interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(rows, d_ff\)"):
+        gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 16)), interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="impl = 'triton'"):
+        gelu_gemm.mlp(x, w, b, w.T, impl="triton")
+    with pytest.raises(gelu_gemm.GemmKernelError, match="out_dtype bfloat16.*gelu: plain"):
+        gelu_gemm.mlp(x, w, b, w.T, out_dtype=BF16)
+
+
+def _plain_mlp(x, w_fc, b_fc, w_proj, dtype):
+    """The plain MLP path of jaxgpt.model without c_proj's bias: Linear, jax.nn.gelu in fp32, Linear."""
+    h = ops.matmul(x, w_fc, dtype=dtype)
+    return ops.matmul(jax.nn.gelu(h + b_fc if b_fc is not None else h, approximate=True), w_proj, dtype=dtype)
+
+
+def _grads(f, *args):
+    dy = args[-1]
+
+    @jax.jit
+    def run(*a):
+        def loss(x, w_fc, b_fc, w_proj):
+            y = f(x, w_fc, b_fc, w_proj)
+            return jnp.sum(y * dy), y
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*a)
+        return y, *grads
+    return run(*args[:-1])
+
+
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mlp_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
+    """gelu_gemm.mlp's value and gradients against autodiff of the plain path, (2, 24, 32) -> 128 -> 32: with XLA's
+    path (the CPU's) the value, dx, dW_fc and dW_proj bit for bit and d(b_fc) within a sum-order bound; with the
+    kernels (interpreted; bf16) every gradient within the bound one bf16 ulp of dh (or of gelu(h)) carries through
+    the GEMMs, plus twice their fp32 accumulation bound."""
+    r = np.random.default_rng(2)
+    dt = jnp.dtype(dtype)
+    x = jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32)
+    w_fc = jnp.asarray(0.3 * r.standard_normal((32, 128)), jnp.float32)
+    b_fc = jnp.asarray(0.5 * r.standard_normal(128), jnp.float32) if with_bias else None
+    w_proj = jnp.asarray(0.1 * r.standard_normal((128, 32)), jnp.float32)
+    dy = jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32)
+    args = (x, w_fc, b_fc, w_proj, dy)
+    y_p, dx_p, dwf_p, db_p, dwp_p = _grads(lambda *a: _plain_mlp(*a, dt), *args)
+    y_x, dx_x, dwf_x, db_x, dwp_x = _grads(lambda *a: gelu_gemm.mlp(*a, dtype=dt, impl="xla"), *args)
+    for name, got, want in (("y", y_x, y_p), ("dx", dx_x, dx_p), ("dW_fc", dwf_x, dwf_p), ("dW_proj", dwp_x, dwp_p)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    h = _f64(ops.matmul(x, w_fc, dtype=dt)).reshape(-1, 128) + (0.0 if b_fc is None else _f64(b_fc))
+    g = _f64(jnp.asarray(dy).reshape(-1, 32).astype(dt)) @ _f64(w_proj.astype(dt)).T
+    dh, s = _truth(g, h)
+    rows = dh.shape[0]
+    if with_bias:
+        _check("xla d(bias)", db_x, db_p, 2 * _gamma(rows) * np.abs(dh).sum(0) + 32 * U * s.sum(0) + 1e-30)
+    else:
+        assert db_x is None and db_p is None
+    if dt != jnp.bfloat16:
+        return  # the kernels take bf16 operands only (the policy's fp32 compute runs XLA's path on GPUs too)
+    y_k, dx_k, dwf_k, db_k, dwp_k = _grads(lambda *a: gelu_gemm.mlp(*a, dtype=dt, impl="interpret"), *args)
+    xc, wf, wp = (np.abs(_f64(a.astype(dt))) for a in (x.reshape(-1, 32), w_fc, w_proj))
+    gc = np.abs(_f64(dy.reshape(-1, 32).astype(dt)))
+    act = np.abs(_f64(jax.nn.gelu(jnp.asarray(h, jnp.float32), approximate=True)))
+    ulp_y = _bf16_ulp(act, act) * 2 + 1.13 * 2 * _gamma(33) * (xc @ wf + 1)
+    _check("kernel y", np.asarray(y_k).reshape(-1, 32), np.asarray(y_p).reshape(-1, 32),
+           ulp_y @ wp + 2 * _gamma(128) * act @ wp + 1e-30)
+    _check("kernel dW_proj", dwp_k, dwp_p, ulp_y.T @ gc + 2 * _gamma(rows) * act.T @ gc + 1e-30)
+    ulp = _bf16_ulp(dh, dh) * 2 + 2 * _gamma(32) * (gc @ wp.T) * 1.13 + 32 * U * s
+    _check("kernel dx", np.asarray(dx_k).reshape(-1, 32), np.asarray(dx_p).reshape(-1, 32),
+           ulp @ wf.T + 2 * _gamma(128) * np.abs(dh) @ wf.T + 1e-30)
+    _check("kernel dW_fc", dwf_k, dwf_p, xc.T @ ulp + 2 * _gamma(rows) * xc.T @ np.abs(dh) + 1e-30)
+    if with_bias:
+        _check("kernel d(bias)", db_k, db_p, 2 * _gamma(rows) * np.abs(dh).sum(0) + ulp.sum(0) + 1e-30)
+
+
+def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
+    """A tiny GPT (2 layers, n_embd 32) under Policy(gelu='pallas-gemm'), bf16: with the CPU's own path (XLA) its 3
+    AdamW losses are the plain policy's bit for bit; with the GPU's kernels (interpreted) within 1e-4 relative."""
+    plain = tiny_adamw_losses(Policy.bf16(), 3)
+    assert plain[-1] < plain[0] - 0.05, plain
+    assert tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3) == plain
+    monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
+    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3), plain, rtol=1e-4)
+
+
+def test_policy_field_and_train_config():
+    from jaxgpt.compile.program import resolve_policy
+    from jaxgpt.train.config import TrainConfig
+
+    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm")
+    assert resolve_policy(cfg, "cpu").gelu == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
+    with pytest.raises(ConfigError, match="'plain', 'pallas', 'pallas-gemm'"):
+        Policy(gelu="gemm")
+    for kw in ({"gemm_output": "bfloat16"}, {"fp8": "mlp"}, {"fast_kernels": False}):
+        with pytest.raises(ConfigError, match="Policy.gelu = 'pallas-gemm' replaces.*gelu: plain"):
+            Policy(compute_dtype="bfloat16", gelu="pallas-gemm", **kw)
+
+
+def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate():
+    """The tiny step compiled for the H100 under gelu=pallas-gemm: two Pallas GEMMs per layer (c_fc + bias + GELU in
+    the forward, c_proj's input gradient times gelu'(h) in the backward), each read as a GEMM with the FLOPs of the
+    plain program's GEMM it replaces (the step's GEMM FLOPs are the plain step's) plus its epilogue's extra bytes;
+    the GEMM part is priced at the least efficient measured GEMM rate, the epilogue at the least efficient fusion
+    rate; no XLA fusion is left in gelu's scope but the reduction of the bias gradient's partial sums."""
+    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
+
+    if PLUGIN_PROBLEM is not None:
+        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
+    from jaxgpt.compile import calibrated, hlo
+
+    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("gelu=pallas-gemm",))
+    plain, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1])
+    ks, _ = hlo.kernels(cs.hlo_text())
+    kp, _ = hlo.kernels(plain.hlo_text())
+    pallas = [k for k in ks if k.gemm.startswith("pallas")]
+    epilogues = [k for k in ks if k.name.endswith(" epilogue")]
+    layers = cs.cfg.model.n_layer
+    assert sorted(k.gemm for k in pallas) == ["pallas bf16->bf16 NT"] * layers + ["pallas bf16->f32 NN"] * layers
+    assert len(epilogues) == 2 * layers and all(k.category == "GELU" and k.bytes > 0 for k in epilogues)
+    assert {k.category for k in pallas} == {"matmuls fwd", "matmuls bwd"}
+    gemm_flops = lambda kernels: sum(k.flops * k.count for k in kernels if k.matmul_dtype)
+    # equal but for the elementwise ops XLA fuses into its GEMMs (the plain program's bias add: rows x 128 per layer)
+    assert gemm_flops(ks) == pytest.approx(gemm_flops(kp), rel=1e-4)
+    others = [k for k in ks if k.category == "GELU" and k not in epilogues]
+    assert all(k.opcode == "kInput" and "transpose(" in k.op_name for k in others), others
+    cal = calibrated.for_target("h100-sxm")
+    worst = {kind: min((r for r in cal.rates.values() if r.kind == kind and r.efficiency() > 0),
+                       key=calibrated.Rate.efficiency) for kind in ("gemm", "fusion")}
+    assert all(cal.rate(k) == (worst["gemm"], False) for k in pallas)
+    assert all(cal.rate(k) == (worst["fusion"], False) for k in epilogues)
+    assert all(cal.rate(k)[1] for k in ks if k.gemm and k not in pallas)  # XLA's GEMMs: measured classes
