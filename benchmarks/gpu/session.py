@@ -100,7 +100,7 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
 
 # ---- compare: everything issue 32 changes, measured in one budgeted command ----------------------------------
 COMPARE = "compare"
-FASTEST = "jax_bf16_fast"  # benchmarks.gpu.worker's variant: both of issue 32's Pallas kernels and bf16 logits
+FASTEST = "jax_bf16_fast"  # benchmarks.gpu.worker's variant: issue 32's Pallas LayerNorm and GEMM kernels, bf16 logits
 COMPARE_BUDGET_S = 560.0  # the device tool's command limit is 600 s; the rest is Python's start and the copy back
 SLACK_S = 2.0  # set aside per later step beyond its need: a killed step's exit, a process start
 COMPARE_FILES = 8  # bench 2 (json, md), jaxgpt's profile 4 (json, md, hlo, trace), torch's profile 1, this part's 1
@@ -131,8 +131,9 @@ def compare_steps(*, dry: bool, text: Path | None, stamp: str = "") -> list[Step
     d = ["--dry"] if dry else []
     # --dry: one tiny batch, jaxgpt and torch eager (its default suite's test must stay short)
     b64, batches = (2, "2") if dry else (64, "64,16")
-    # beside the default and torch.compile: the bf16 program with both Pallas kernels (layer_norm and gelu: pallas)
-    # and bf16 logits, the opt-in set issue 32 predicts fastest, so one lent GPU measures it in the same command
+    # beside the default and torch.compile: the bf16 program with the Pallas LayerNorm and GEMM kernels (layer_norm:
+    # pallas, gelu: pallas-gemm) and bf16 logits, the opt-in set issue 32 predicts fastest, so one lent GPU measures
+    # it in the same command
     torch_rows = (["--variants", f"jax_bf16,{FASTEST}", "--eager-batches", "2"] if dry else
                   ["--variants", f"jax_bf16,torch_compile_bf16,{FASTEST}", "--eager-batches", ""])
     # the recipe: tiny Shakespeare x 3 (912,668 train tokens: more than one 524,288-token step), as on 2026-11-26
