@@ -78,10 +78,10 @@ def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: 
     h, y = pl.pallas_call(
         partial(_fwd_kernel, bk=bk),
         out_shape=(jax.ShapeDtypeStruct((mp, np_), f32), jax.ShapeDtypeStruct((mp, np_), bf16)),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((kp, bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((1, bn), lambda i, j: (0, j))],
-        out_specs=(pl.BlockSpec((bm, bn), lambda i, j: (i, j)),) * 2,
+        grid=gemm.grid(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((kp, bn), lambda j, i: (0, j)),
+                  pl.BlockSpec((1, bn), lambda j, i: (0, j))],
+        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)),) * 2,
         interpret=interpret, name="gemm_nn_bias_gelu", **gemm.compiler_params(interpret))(xp, wp, bp)
     return (h[:m, :n], y[:m, :n]) if (mp, np_) != (m, n) else (h, y)
 
@@ -107,10 +107,10 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
     dh, sums = pl.pallas_call(
         partial(_bwd_kernel, bk=bk),
         out_shape=(jax.ShapeDtypeStruct((mp, np_), bf16), jax.ShapeDtypeStruct((mp // bm, np_), f32)),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), pl.BlockSpec((bn, kp), lambda i, j: (j, 0)),
-                  pl.BlockSpec((bm, bn), lambda i, j: (i, j))],
-        out_specs=(pl.BlockSpec((bm, bn), lambda i, j: (i, j)), pl.BlockSpec((1, bn), lambda i, j: (i, j))),
+        grid=gemm.grid(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((bn, kp), lambda j, i: (j, 0)),
+                  pl.BlockSpec((bm, bn), lambda j, i: (i, j))],
+        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)), pl.BlockSpec((1, bn), lambda j, i: (i, j))),
         interpret=interpret, name="gemm_nt_gelu_backward", **gemm.compiler_params(interpret))(gp, wp, hp)
     return (dh[:m, :n], sums[:, :n]) if (mp, np_) != (m, n) else (dh, sums)
 

@@ -122,6 +122,9 @@ def test_a_kernel_of_an_unseen_class_takes_the_least_efficient_rate_of_its_kind_
     assert est.uncalibrated_s == pytest.approx(est.time_s - est.overhead_s)
     known = hlo.Kernel("g", "__cublas$lt$matmul", "matmuls fwd", 2e12, 1e9, 1, "bf16", "", 0, "cublas bf16->f32 NN")
     assert calibrated.estimate([known], cal).kernels[0].calibrated
+    # a Pallas GEMM of a measured class's dtypes and layout is a class of its own (jaxgpt's kernel, not XLA's)
+    mine = hlo.Kernel("m", "__gpu$xla.gpu.triton", "matmuls fwd", 2e12, 1e9, 1, "bf16", "", 0, "pallas bf16->f32 NN")
+    assert calibrated.estimate([mine], cal).kernels[0].time_s == pytest.approx(slowest_gemm.time_s(mine))
 
 
 def test_the_committed_calibration_is_what_the_fit_gives_on_the_committed_trace():

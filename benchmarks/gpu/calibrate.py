@@ -69,6 +69,10 @@ def fit_class(kind: str, name: str, rows: list[tuple[hlo.Kernel, float]], latenc
 
 def fit(times: list[dict], hlo_text: str, step_s: float, device: str, provenance: dict) -> calibrated.Calibration:
     kernels, _ = hlo.kernels(hlo_text)
+    split = sorted({k.name.removesuffix(" epilogue") for k in kernels if k.name.endswith(" epilogue")})
+    if split:  # the reader splits each into a GEMM and its epilogue; the trace times them as one kernel
+        raise ValueError(f"the program holds Pallas GEMMs ({', '.join(split[:3])}): fit the calibration on a profile "
+                         "of the default policy's program (python -m benchmarks.gpu.profile), which has none")
     groups: dict[tuple[str, str], list] = collections.defaultdict(list)
     for k, t in samples(times, kernels):
         groups[calibrated.kernel_class(k)].append((k, t))
