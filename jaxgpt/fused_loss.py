@@ -6,8 +6,10 @@ fp32 logits are never materialised whole, and never twice.
 loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
 memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
 logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
-operands (:mod:`jaxgpt.fp8`). ``tests/test_ops.py`` and ``tests/test_loss_logits.py`` check it against the plain
-expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
+operands (:mod:`jaxgpt.fp8`); ``lm_head="pallas"`` (``Policy.lm_head``) runs the bf16 logits GEMM as a Pallas
+GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the logits for
+them. ``tests/test_ops.py``, ``tests/test_loss_logits.py`` and ``tests/test_loss_kernel.py`` check it against the
+plain expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from jaxgpt import fp8 as f8
-from jaxgpt import ops
+from jaxgpt import gemm, ops
 
 CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
 # on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
@@ -29,18 +31,24 @@ CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (j
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
 
 
-def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8: bool = False) -> int:
+def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8: bool = False, multiple: int = 1
+                ) -> int:
     """Rows per chunk so one chunk's fp32 logits stay near ``budget`` elements (256 MiB): at GPT-2's vocabulary
     at most 1,334 rows, so 2 chunks of 1,024 rows for 2,048 tokens and one chunk for 1,024. Measured on 2-core
     CPUs: 158-row chunks were 25% slower than 512 (the dW dot's contraction gets short); at gpt2's 1,024 tokens
     x C=768 one 1,024-row chunk took 1.53-1.56 s against 1.62-1.65 s for two of 512 and 1.68 s for four of 256;
     at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
-    chunk slower (1.25-1.31 s: more memory traffic per pass)."""
+    chunk slower (1.25-1.31 s: more memory traffic per pass). ``multiple``: rows a multiple of it (the logits
+    kernel's row block, whose chunks must not be sliced), with as few padded rows as the chunk counts from the
+    fewest up to 8 more can give (at gpt2 b64 16 chunks of 4,096 rows, none padded, where 13 of 5,042 were)."""
     if budget is None:
         budget = CE_CHUNK_ELEMENTS if ops.platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
     rows = max(1, min(n_rows, budget // vocab_rows))
     n_chunks = math.ceil(n_rows / rows)
     rows = math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
+    if multiple > 1:
+        fits = [-(-math.ceil(n_rows / n) // multiple) * multiple for n in range(n_chunks, n_chunks + 9)]
+        rows = min(fits, key=lambda r: (math.ceil(n_rows / r) * r, -r))
     if fp8 and ops.platform() != "cpu":
         # e4m3 logits GEMM: cuBLASLt's fp8 GEMM takes dimensions divisible by 16; XLA pads a chunk of other rows
         # and slices its (rows, vocab) fp32 result back, a pass over each chunk's logits (2 GB at gpt2 b64)
@@ -49,6 +57,74 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
 
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
+LmHead = str  # Policy.lm_head: "plain" or "pallas"
+
+
+def _logits_lse_kernel(h_ref, w_ref, raw_ref, m_ref, s_ref, *, bk: int, bn: int, vocab_size: int):
+    """One (bm, bn) tile of a chunk's logits h @ w^T: written in bf16, and the row max and sum of exp of those bf16
+    values (in fp32, the padded vocabulary's columns masked out) written as this tile's column of partials."""
+    from jax.experimental import pallas as pl
+
+    raw = gemm.accumulate(h_ref, w_ref, bk=bk, trans_b=True).astype(raw_ref.dtype)
+    raw_ref[...] = raw
+    cols = pl.program_id(1) * bn + jax.lax.broadcasted_iota(jnp.int32, raw.shape, 1)
+    vals = jnp.where(cols < vocab_size, raw.astype(jnp.float32), -jnp.inf)
+    m = vals.max(axis=1)
+    s = jnp.exp(vals - m[:, None]).sum(axis=1)
+    m_ref[...] = m[None, :]
+    s_ref[...] = jnp.where(m == -jnp.inf, 0.0, s)[None, :]  # a tile of padded columns only adds nothing
+
+
+def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"], vocab_size: int, *,
+               interpret: bool = False, block: tuple[int, int, int] | None = None
+               ) -> tuple[Float[Array, "rows vocab_rows"], Float[Array, "rows 1"], Float[Array, "rows 1"]]:
+    """``(raw, max, sum_exp)`` of a chunk: its bf16 logits ``h @ w^T`` (bf16 operands, fp32 accumulation, one
+    rounding) and each row's max and sum of ``exp(logit - max)`` over the first ``vocab_size`` columns of the bf16
+    values in fp32, as one Pallas Triton GEMM writing per-tile partials and a small reduction combining them (the
+    online softmax's rescaling). The rows and the head's rows must be multiples of the blocks (the chunks are made
+    so: :func:`_chunk_rows`' ``multiple``; a padded vocabulary of 50,304 is 393 blocks of 128)."""
+    from jax.experimental import pallas as pl
+
+    bf16 = jnp.bfloat16
+    gemm.check("logits_lse", {"h": (h, bf16, "(rows, embed)"), "w": (w, bf16, "(vocab_rows, embed)")})
+    (m_rows, k), n = h.shape, w.shape[0]
+    bm, bn, bk = gemm.blocks(m_rows, n, k, block)
+    if w.shape[1] != k or m_rows % bm or n % bn or k % bk or not 0 < vocab_size <= n:
+        raise gemm.GemmKernelError(f"logits_lse: h {tuple(h.shape)} and w {tuple(w.shape)} (vocab_size {vocab_size}) "
+                                   f"must share the embedding width and be multiples of the ({bm}, {bn}, {bk}) blocks; "
+                                   "use lm_head: plain for other shapes")
+    # row tiles first (the GPU launches the first axis fastest): a chunk's rows (4,096 x 768 in bf16: 6.3 MB) stay in
+    # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.gemm.grid's order
+    raw, tile_m, tile_s = pl.pallas_call(
+        partial(_logits_lse_kernel, bk=bk, bn=bn, vocab_size=vocab_size),
+        out_shape=(jax.ShapeDtypeStruct((m_rows, n), bf16),
+                   *(jax.ShapeDtypeStruct((n // bn, m_rows), jnp.float32),) * 2),
+        grid=(m_rows // bm, n // bn),
+        in_specs=[pl.BlockSpec((bm, k), lambda i, j: (i, 0)), pl.BlockSpec((bn, k), lambda i, j: (j, 0))],
+        out_specs=(pl.BlockSpec((bm, bn), lambda i, j: (i, j)), *(pl.BlockSpec((1, bm), lambda i, j: (j, i)),) * 2),
+        interpret=interpret, name="gemm_nt_logits_lse", **gemm.compiler_params(interpret))(h, w)
+    m = tile_m.max(axis=0)
+    s = jnp.sum(tile_s * jnp.exp(tile_m - m[None, :]), axis=0)  # a masked tile's -inf max: exp(-inf) = 0
+    return raw, m[:, None], s[:, None]
+
+
+def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int) -> str | None:
+    """How the chunks' row max and sum of exp are computed: "kernel" or "interpret" (:func:`logits_lse`: lm_head
+    pallas on GPUs, bf16 operands and logits, the head a multiple of the kernel's column block), None (XLA's
+    pass)."""
+    if lm_head not in ("plain", "pallas"):
+        raise ValueError(f"lm_head = {lm_head!r}: allowed values are 'plain', 'pallas'")
+    if lm_head == "plain" or ops.platform() != "gpu" or fp8 or jnp.dtype(dtype) != jnp.bfloat16 \
+            or jnp.dtype(logits_dtype) != jnp.bfloat16:
+        return None
+    if vocab_rows % gemm.BLOCK_N:
+        raise ValueError(f"lm_head = 'pallas' takes the head's rows in blocks of {gemm.BLOCK_N}, got {vocab_rows} "
+                         f"(the vocabulary unpadded): set model.padded_vocab_size to a multiple of {gemm.BLOCK_N} "
+                         "(GPT-2: 50304), or lm_head: plain")
+    return _LSE_IMPL
+
+
+_LSE_IMPL = "kernel"  # tests run the kernel in Pallas' interpreter through the GPU path: "interpret"
 
 
 def _head_rows(w, vocab_size: int, dtype):
@@ -154,13 +230,16 @@ def _scaled(scale, raw, logits):
     return raw * scale.astype(raw.dtype), logits * scale
 
 
-def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, logits_dtype=jnp.float32):
+def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, logits_dtype=jnp.float32,
+             lm_head: LmHead = "plain"):
     """Loss sum over all rows, and (with_grad) d(mean)/dh and d(mean)/dw. h (M, C), w (V, C), targets (M,).
     ``fp8``: the logits GEMM in e4m3 (:func:`_e4m3_head`), the backward GEMMs in ``dtype`` as without it.
-    ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`)."""
+    ``logits_dtype``: what the logits GEMM writes (:func:`_head_logits`). ``lm_head``: "pallas" has the logits
+    GEMM write the row max and sum of exp too (:func:`logits_lse`, where :func:`_lse_kernel` allows)."""
     M, C = h.shape
     V = w.shape[0]
-    rows = _chunk_rows(M, V, fp8=fp8)
+    lse_kernel = _lse_kernel(lm_head, dtype, logits_dtype, fp8, V)
+    rows = _chunk_rows(M, V, fp8=fp8, multiple=gemm.BLOCK_M if lse_kernel else 1)
     n_chunks = math.ceil(M / rows)
     pad = n_chunks * rows - M
     hp = jnp.pad(h.astype(dtype), ((0, pad), (0, 0)))
@@ -178,11 +257,18 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
         h_i, t_i, ok, *hq_i = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
-        raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
-                                                          _head_precision(precision, fp8), logits_dtype, mask_padded))
+        if lse_kernel:  # the GEMM's epilogue: the row max and sum of exp of each tile, combined
+            raw, m, s = logits_lse(h_i, w_c, vocab_size, interpret=lse_kernel == "interpret")
+            logits = mask_padded(raw.astype(jnp.float32))
+        else:
+            raw, logits = _scaled(logits_scale, *_head_logits(*logits_operands(h_i, *hq_i),
+                                                              _head_precision(precision, fp8), logits_dtype,
+                                                              mask_padded))
         # one exp pass: e = exp(logits - max) serves both the loss (through its sum) and the softmax
         # (logsumexp + a second exp(logits - lse) pass measured 2x slower on the 2-core CPU)
-        if online:
+        if lse_kernel:
+            e = jnp.exp(logits - m)  # in the gradient's pass, as below
+        elif online:
             m, s = _max_and_sum_exp(logits)
             e = jnp.exp(logits - m)  # recomputed inside the gradient's pass, not stored
         else:
@@ -216,20 +302,20 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     return loss_sum, dh.reshape(-1, C)[:M], dw
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _fused_ce(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _fused_ce(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32, lm_head="plain"):
     return _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=False, fp8=fp8,
-                    logits_dtype=logits_dtype) / h.shape[0]
+                    logits_dtype=logits_dtype, lm_head=lm_head) / h.shape[0]
 
 
-def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32):
+def _fused_ce_fwd(h, w, targets, vocab_size, dtype, precision, fp8=False, logits_dtype=jnp.float32, lm_head="plain"):
     with jax.named_scope("cross_entropy"):  # custom_vjp's forward is traced outside the caller's scopes
         loss_sum, dh, dw = _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad=True, fp8=fp8,
-                                    logits_dtype=logits_dtype)
+                                    logits_dtype=logits_dtype, lm_head=lm_head)
     return loss_sum / h.shape[0], (dh, dw, targets)
 
 
-def _fused_ce_bwd(vocab_size, dtype, precision, fp8, logits_dtype, res, g):
+def _fused_ce_bwd(vocab_size, dtype, precision, fp8, logits_dtype, lm_head, res, g):
     dh, dw, targets = res
     with jax.named_scope("cross_entropy"):
         return (g * dh).astype(jnp.float32), (g * dw).astype(jnp.float32), None
@@ -248,15 +334,17 @@ def lm_head_cross_entropy(
     precision=None,
     fp8: bool = False,
     logits_dtype=jnp.float32,
+    lm_head: LmHead = "plain",
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
     columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
     GEMM with e4m3 operands (jaxgpt.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
     writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
-    from the rounded logits; :func:`_head_logits`)."""
+    from the rounded logits; :func:`_head_logits`). ``lm_head``: "pallas" computes the row max and sum of exp in
+    the logits GEMM's epilogue on GPUs (:func:`logits_lse`; bf16 logits), "plain" in a pass of their own."""
     C = h.shape[-1]
     return _fused_ce(h.reshape(-1, C).astype(jnp.float32), w, targets.reshape(-1), vocab_size,
-                     jnp.dtype(dtype), precision, fp8, _logits_dtype(logits_dtype))
+                     jnp.dtype(dtype), precision, fp8, _logits_dtype(logits_dtype), lm_head)
 
 
 def token_cross_entropy(

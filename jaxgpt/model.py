@@ -415,7 +415,7 @@ class GPT(nnx.Module):
                                                  vocab_size=self.config.vocab_size, dtype=self.policy.dtype,
                                                  logits_dtype=self.policy.logits_dtype,
                                                  precision=self.policy.lax_precision,
-                                                 fp8=self.policy.fp8_on("lm_head"))
+                                                 fp8=self.policy.fp8_on("lm_head"), lm_head=self.policy.lm_head)
             return cross_entropy(self.logits(h), targets)
 
     def token_losses(self, idx: Int[Array, "batch seq"], targets: Int[Array, "batch seq"]

@@ -54,8 +54,8 @@ class Policy:
     # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
     # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
-    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm" (jaxgpt.gelu_gemm):
-    # GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's input-gradient GEMM
+    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm"
+    # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's input-gradient GEMM
     # applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16 compute; the same values as
     # plain; XLA's path elsewhere); the same needs as pallas
     gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"
@@ -64,6 +64,11 @@ class Policy:
     # epilogue adds the bias and writes the bf16 that attention takes: the same values; GPUs with bf16 compute, the
     # plain path elsewhere). Needs gemm_output float32 and no fp8 on the attention's GEMMs
     qkv: Literal["plain", "pallas"] = "plain"
+    # the fused loss's logits GEMM (jaxgpt.fused_loss.logits_lse): "plain" (on GPUs XLA's GEMM, then a pass reads each
+    # chunk's logits for their row max and sum of exp) or "pallas" (a Pallas Triton GEMM that writes the bf16 logits
+    # and each tile's row max and sum of exp: no such pass; the same numbers but for the order of the sum). Needs
+    # logits_dtype bfloat16 and no fp8 lm_head; bf16 compute on GPUs, the plain path elsewhere
+    lm_head: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
@@ -84,14 +89,6 @@ class Policy:
                               "'pallas'")
         if self.gelu not in ("plain", "pallas", "pallas-gemm"):
             raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas', 'pallas-gemm'")
-        if self.qkv not in ("plain", "pallas"):
-            raise ConfigError(f"Policy.qkv = {self.qkv!r}: allowed values are 'plain', 'pallas'")
-        if self.qkv == "pallas" and (self.gemm_output != "float32" or self.fp8_on("attn") or self.attention == "einsum"):
-            raise ConfigError(f"Policy.qkv = 'pallas' rounds the fp32 GEMM output of q, k and v once, in the GEMM, for an "
-                              f"attention that rounds them anyway; got gemm_output {self.gemm_output!r}, fp8 "
-                              f"{self.fp8!r}, attention {self.attention!r} (einsum's backward would round dq, dk, dv "
-                              "too): use precision bf16 or fp32 (or fp8 without its attention GEMMs) and attention "
-                              "auto, or qkv: plain")
         if self.logits_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
@@ -107,10 +104,26 @@ class Policy:
                                    or not self.fast_kernels):
             raise ConfigError(f"Policy.fp8 = {self.fp8!r} needs compute_dtype bfloat16 (or float32), gemm_output "
                               "float32 and fast_kernels: use Policy.fp8_policy() or precision: fp8")
+        if self.qkv not in ("plain", "pallas"):
+            raise ConfigError(f"Policy.qkv = {self.qkv!r}: allowed values are 'plain', 'pallas'")
+        if self.qkv == "pallas" and (self.gemm_output != "float32" or self.fp8_on("attn")
+                                     or self.attention == "einsum"):
+            raise ConfigError(f"Policy.qkv = 'pallas' rounds the fp32 GEMM output of q, k and v once, in the GEMM, for "
+                              f"an attention that rounds them anyway; got gemm_output {self.gemm_output!r}, fp8 "
+                              f"{self.fp8!r}, attention {self.attention!r} (einsum's backward would round dq, dk, dv "
+                              "too): use precision bf16 or fp32 (or fp8 without its attention GEMMs) and attention "
+                              "auto, or qkv: plain")
+        if self.lm_head not in ("plain", "pallas"):
+            raise ConfigError(f"Policy.lm_head = {self.lm_head!r}: allowed values are 'plain', 'pallas'")
+        if self.lm_head == "pallas" and (self.logits_dtype != "bfloat16" or self.fp8_on("lm_head")
+                                         or not self.fast_kernels):
+            raise ConfigError(f"Policy.lm_head = 'pallas' writes the fused loss's logits in bf16 (got logits_dtype "
+                              f"{self.logits_dtype!r}, fp8 {self.fp8!r}, fast_kernels {self.fast_kernels}): set "
+                              "logits_dtype: bfloat16 (and no fp8 lm_head), or lm_head: plain")
         if self.gelu != "plain" and (self.gemm_output != "float32" or self.fp8_on("mlp")
                                        or self.compute_dtype not in ("bfloat16", "float32") or not self.fast_kernels):
-            raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or fp32 "
-                              f"compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
+            raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or "
+                              f"fp32 compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
                               f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
                               f"fast_kernels {self.fast_kernels}: use precision bf16 or fp32, or gelu: plain")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):

@@ -60,7 +60,7 @@ def resolve_policy(cfg: TrainConfig, platform: str) -> Policy:
     """The precision policy a run of ``cfg`` gets on ``platform`` (``precision: auto`` is bf16 on GPUs)."""
     precision = default_compute(platform) if cfg.precision == "auto" else cfg.precision
     return Policy.named(precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
-                        layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv,
+                        layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv, lm_head=cfg.lm_head,
                         logits_dtype=cfg.logits_dtype)
 
 

@@ -37,6 +37,9 @@ class TrainConfig:
     gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"  # Policy.gelu: pallas = jaxgpt.gelu's one-kernel GELU
     # backward; pallas-gemm = jaxgpt.gelu_gemm: GELU in the c_fc and c_proj GEMMs' epilogues (GPUs; plain's values)
     qkv: Literal["plain", "pallas"] = "plain"  # Policy.qkv: pallas = q, k, v's bias add + bf16 in their GEMMs (GPUs)
+    # Policy.lm_head: pallas = the loss's row max and sum of exp in the bf16 logits GEMM's epilogue (GPUs; needs
+    # logits_dtype: bfloat16)
+    lm_head: Literal["plain", "pallas"] = "plain"
     # Policy.logits_dtype: the dtype the lm_head writes its logits in, the loss and its gradient then computed in fp32
     # from them; bfloat16 halves the loss's passes over them (GPUs). null: the precision's own (bf16 under
     # bf16-autocast, torch.autocast's numerics, which refuses float32; fp32 otherwise)

@@ -1,0 +1,158 @@
+"""jaxgpt.fused_loss.logits_lse (Policy.lm_head = "pallas"): the bf16 logits GEMM that also writes each tile's row max
+and sum of exp, in Pallas' interpreter against XLA's GEMM and reduction; the fused loss through the GPU path with it
+against the same loss without it; the policy field; the compiled tiny H100 step holding the kernel.
+
+Bounds (derived, not fitted; u = 2^-24, fp32): the logits GEMM's fp32 accumulator lies within gamma_K sum |h| |w| of
+the exact product in any summation order (bf16 x bf16 products are exact in fp32); rounded to bf16, the kernel's and
+XLA's logits differ by one bf16 ulp of the larger plus twice that. The row max of the same values is exact. The sum
+of exp(x - max) over V columns: each exp within 4 u of its value (a few ulps: both implementations' exp), each sum of
+positive terms within gamma_V of its exact value in any order (tile sums, their rescaling by exp(m_t - m) with its own
+4 u, and the combination add at most gamma_V + 8 u): |s_kernel - s_xla| <= (2 gamma_V + 16 u) s.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt import fused_loss, gemm, ops
+from jaxgpt.config import ConfigError
+from jaxgpt.precision import Policy
+from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
+from tests.test_loss_logits import _gpus
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def _operands(rows: int, vocab_rows: int, width: int, seed: int = 0):
+    r = np.random.default_rng(seed)
+    return (jnp.asarray(r.standard_normal((rows, width)), F32).astype(BF16),
+            jnp.asarray(2.0 / np.sqrt(width) * r.standard_normal((vocab_rows, width)), F32).astype(BF16))
+
+
+@pytest.mark.parametrize("vocab_size, block", [(256, (32, 64, 16)), (200, (32, 64, 16)), (100, (32, 64, 16)),
+                                               (250, None)], ids=["no-padding", "padded-columns",
+                                                                  "masked-tiles", "default-blocks"])
+def test_kernel_against_xlas_gemm_and_reduction(vocab_size, block):
+    """raw within one bf16 ulp plus the GEMM bound of XLA's bf16 logits; the row max equal and the sum of exp within
+    the derived bound of _max_and_sum_exp over the kernel's own logits, masked past vocab_size (whole tiles of padded
+    columns included)."""
+    h, w = _operands(128, 256, 32)
+    raw, m, s = fused_loss.logits_lse(h, w, vocab_size, interpret=True, block=block)
+    assert (raw.dtype, raw.shape, m.dtype, s.dtype) == (BF16, (128, 256), F32, F32)
+    assert m.shape == s.shape == (128, 1)
+    xla = jax.lax.dot_general(h, w, fused_loss._NT, preferred_element_type=F32).astype(BF16)
+    absw = np.abs(np.asarray(h, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
+    _check("raw", np.asarray(raw, np.float32), np.asarray(xla, np.float32),
+           _bf16_ulp(raw.astype(F32), xla.astype(F32)) + 2 * _gamma(32) * absw + 1e-30)
+    real = jnp.arange(256) < vocab_size
+    m0, s0 = fused_loss._max_and_sum_exp(jnp.where(real, raw.astype(F32), -jnp.inf))
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(m0))
+    _check("sum of exp", s, s0, (2 * _gamma(256) + 16 * U) * np.asarray(s0, np.float64))
+
+
+def test_kernel_refuses_what_it_cannot_take():
+    h, w = _operands(128, 256, 32)
+    with pytest.raises(gemm.GemmKernelError, match=r"multiples of the \(128, 128, 32\) blocks.*lm_head: plain"):
+        fused_loss.logits_lse(h[:100], w, 256, interpret=True)
+    with pytest.raises(gemm.GemmKernelError, match="vocab_size 300"):
+        fused_loss.logits_lse(h, w, 300, interpret=True)
+    with pytest.raises(gemm.GemmKernelError, match="h must be bfloat16, got float32"):
+        fused_loss.logits_lse(h.astype(F32), w, 256, interpret=True)
+    with pytest.raises(ValueError, match="lm_head = 'triton'"):
+        fused_loss.lm_head_cross_entropy(h[None], w, jnp.zeros((1, 128), jnp.int32), vocab_size=256, dtype=BF16,
+                                         logits_dtype=BF16, lm_head="triton")
+
+
+def test_chunks_are_multiples_of_the_row_block_with_the_fewest_padded_rows():
+    assert fused_loss._chunk_rows(65536, 50304, 1 << 28) == 5042  # gpt2 b64 without the kernel: 13 chunks
+    assert fused_loss._chunk_rows(65536, 50304, 1 << 28, multiple=128) == 4096  # 16 chunks, none padded
+    assert fused_loss._chunk_rows(16384, 50304, 1 << 28, multiple=128) == 4096
+    rows = fused_loss._chunk_rows(1000, 256, 300 * 256, multiple=128)
+    assert rows % 128 == 0 and rows * -(-1000 // rows) == 1024  # 1,000 rows: 24 padded at best
+
+
+@pytest.mark.parametrize("budget_rows", [None, 128], ids=["one-chunk", "two-chunks"])
+def test_the_fused_loss_with_the_kernel_is_the_loss_without_it(monkeypatch, budget_rows):
+    """lm_head_cross_entropy through the GPU path (bf16 logits, a padded head of 256 rows, 100 of them the
+    vocabulary; 150 rows: padded up to the kernel's 128-row chunks), the kernel interpreted, against the same path
+    without it: the loss within 1e-6 relative (only the sums' order differs), dh and dW within one bf16 rounding of
+    dlogits either way (2 u_bf16 relative of sum |dlogits| |operand| <= 2 max|operand| / M) plus 1e-6 relative."""
+    h, w = _operands(150, 256, 32, seed=1)
+    h = h.astype(F32).reshape(3, 50, 32)
+    t = jnp.asarray(np.random.default_rng(2).integers(0, 100, (3, 50)), jnp.int32)
+    if budget_rows:
+        monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_GPU", budget_rows * 256)
+
+    def run(lm_head):
+        f = jax.jit(jax.value_and_grad(lambda h, w: fused_loss.lm_head_cross_entropy(
+            h, w, t, vocab_size=100, dtype=BF16, logits_dtype=BF16, lm_head=lm_head), argnums=(0, 1)))
+        with ops.traced_for(_gpus()):
+            return f(h, w.astype(F32))
+
+    plain = run("plain")
+    monkeypatch.setattr(fused_loss, "_LSE_IMPL", "interpret")
+    kernel = run("pallas")
+    assert abs(float(kernel[0]) - float(plain[0])) <= 1e-6 * abs(float(plain[0]))
+    M, ub = 150, 2.0 ** -8
+    for got, want, scale in ((kernel[1][0], plain[1][0], float(jnp.abs(w.astype(F32)).max())),
+                             (kernel[1][1], plain[1][1], float(jnp.abs(h).max()))):
+        err = np.abs(np.asarray(got) - np.asarray(want))
+        assert err.max() <= 2 * ub * 2 * scale / M * 1.01 + 1e-6 * np.abs(np.asarray(want)).max(), err.max()
+    assert not np.asarray(kernel[1][1][100:]).any()  # padded head rows get exactly no gradient
+    with ops.traced_for(_gpus()), pytest.raises(ValueError, match="blocks of 128, got 200.*padded_vocab_size"):
+        jax.jit(lambda h: fused_loss.lm_head_cross_entropy(h, w[:200].astype(F32), t, vocab_size=100, dtype=BF16,
+                                                           logits_dtype=BF16, lm_head="pallas"))(h)
+    monkeypatch.setattr(fused_loss, "_LSE_IMPL", "no kernel here")  # the CPU path never takes the kernel
+    cpu = jax.value_and_grad(lambda h: fused_loss.lm_head_cross_entropy(
+        h, w.astype(F32), t, vocab_size=100, dtype=BF16, logits_dtype=BF16, lm_head="pallas"))(h)
+    assert np.isfinite(float(cpu[0]))
+
+
+def test_policy_field_and_train_config():
+    from jaxgpt.compile.program import resolve_policy
+    from jaxgpt.train.config import TrainConfig
+
+    assert Policy().lm_head == "plain" and TrainConfig.load(None, {}).lm_head == "plain"
+    cfg = TrainConfig.load(None, {"lm_head": "pallas", "logits_dtype": "bfloat16", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(lm_head="pallas", logits_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="Policy.lm_head = 'triton'.*'plain', 'pallas'"):
+        Policy(lm_head="triton")
+    with pytest.raises(ConfigError, match="lm_head = 'pallas' writes.*logits_dtype: bfloat16"):
+        resolve_policy(TrainConfig.load(None, {"lm_head": "pallas"}), "gpu")
+    with pytest.raises(ConfigError, match="fp8 'lm_head'"):
+        Policy.fp8_policy("lm_head", lm_head="pallas", logits_dtype="bfloat16")
+    assert Policy.bf16_autocast(lm_head="pallas").lm_head == "pallas"  # autocast's logits are bf16
+
+
+def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduction_pass():
+    """The tiny step compiled for the H100 under lm_head=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
+    scope, read as a GEMM with the logits GEMM's FLOPs at the least efficient measured GEMM rate; the reduction pass
+    over each chunk's logits is gone (what reads them is the gradient's pass alone)."""
+    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
+
+    if PLUGIN_PROBLEM is not None:
+        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
+    from jaxgpt.compile import calibrated, hlo
+
+    sets = TINY_BF16[1] + ("logits_dtype=bfloat16", "model.padded_vocab_size=50304")
+    cs, _ = _compiled(TINY_BF16[0], None, 1, sets + ("lm_head=pallas",))
+    plain, _ = _compiled(TINY_BF16[0], None, 1, sets)
+    ks, _ = hlo.kernels(cs.hlo_text())
+    kp, _ = hlo.kernels(plain.hlo_text())
+    loss = lambda kernels: [k for k in kernels if k.category == "lm_head + cross-entropy"]
+    pallas = [k for k in loss(ks) if k.gemm.startswith("pallas")]
+    assert [k.gemm for k in pallas] == ["pallas bf16->bf16 NT"]
+    logits_gemm = [k for k in loss(kp) if k.gemm.endswith("bf16->bf16 NT")]
+    assert len(logits_gemm) == 1 and pallas[0].flops * pallas[0].count == pytest.approx(
+        logits_gemm[0].flops * logits_gemm[0].count, rel=1e-3)
+    chunk_rows = logits_gemm[0].flops / (2 * cs.cfg.model.n_embd * 50304)
+    logits_bytes = chunk_rows * 50304 * 2  # a pass over a chunk's bf16 logits reads at least this
+    reads = lambda kernels: [k for k in loss(kernels) if not k.gemm and k.bytes >= 0.9 * logits_bytes]
+    assert len(reads(ks)) == len(reads(kp)) - 1, (reads(ks), reads(kp))  # the max / sum-of-exp pass is gone
+    cal = calibrated.for_target("h100-sxm")
+    worst = min((r for r in cal.rates.values() if r.kind == "gemm" and r.efficiency() > 0),
+                key=calibrated.Rate.efficiency)
+    assert cal.rate(pallas[0]) == (worst, False)
