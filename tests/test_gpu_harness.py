@@ -96,6 +96,7 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "gelu='pallas-gemm'" in policy["jax_bf16_fast"] and "layer_norm='pallas'" in policy["jax_bf16_fast"]
     assert "qkv='pallas'" in policy["jax_bf16_fast"] and "qkv='plain'" in policy["jax_bf16_pallas"]
     assert "qkv='pallas'" in policy["jax_bf16_qkv_pallas"] and "gelu='plain'" in policy["jax_bf16_qkv_pallas"]
+    assert "lm_head='pallas'" in policy["jax_bf16_lm_head_pallas"] and "lm_head='pallas'" in policy["jax_bf16_fast"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
@@ -240,6 +241,22 @@ def test_the_summariser_sorts_a_gpu_trace_into_categories():
     assert "| attention bwd | 0.12 |" in md
 
 
+def test_a_pallas_gemm_is_profiled_as_a_matmul():
+    """jaxgpt.gemm's kernels (GELU or the bias add in a GEMM's epilogue) are GEMMs in the profile's table, in the
+    direction their scope says; another Pallas kernel is not."""
+    from benchmarks.gpu.hlo_trace import Instr
+
+    def pallas(op_name):
+        return Instr("pallas_call.1", "custom-call", "main", op_name=op_name, kind="__gpu$xla.gpu.triton")
+
+    assert gpu_profile.categorize("gemm_nt_gelu_backward", pallas(
+        "jit(step)/transpose(jvp(gelu))/gemm_nt_gelu_backward/pallas_call")) == "matmuls bwd"
+    assert gpu_profile.categorize("gemm_nn_bias_cast", pallas("jit(step)/jvp()/gemm_nn_bias_cast/pallas_call")) \
+        == "matmuls fwd"
+    assert not gpu_profile.categorize("layer_norm_forward_residual", pallas(
+        "jit(step)/jvp(layer_norm)/layer_norm/layer_norm_forward_residual/pallas_call")).startswith("matmuls")
+
+
 def test_the_profile_runs_and_summarises_on_the_cpu(results):
     res = gpu_profile.profile(dry=True, batch=2, steps=2)
     ms = {r["category"]: r["ms_per_step"] for r in res["summary"]["rows"]}
@@ -367,7 +384,7 @@ def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, 
     assert {r["variant"] for r in rows} == {"jax_bf16", "jax_bf16_fast", "torch_eager_bf16"}
     fast = next(r for r in rows if r["variant"] == "jax_bf16_fast")["details"]["policy"]
     assert "layer_norm='pallas'" in fast and "gelu='pallas-gemm'" in fast and "compute_dtype='bfloat16'" in fast
-    assert "logits_dtype='bfloat16'" in fast and "qkv='pallas'" in fast
+    assert "logits_dtype='bfloat16'" in fast and "qkv='pallas'" in fast and "lm_head='pallas'" in fast
     assert not any("error" in r for r in rows), rows
 
 
