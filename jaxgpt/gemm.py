@@ -1,28 +1,24 @@
-"""Pallas Triton GEMMs with fused epilogues: the tile loop every such kernel shares, and the attention's q, k and v
-projections with their bias add and bf16 rounding in the epilogue (``Policy.qkv = "pallas"``).
+"""Pallas Triton GEMMs with fused epilogues: the tile loop every such kernel shares, a GEMM whose epilogue adds the
+bias and rounds to bf16 (:func:`gemm_bias_cast`), and one that sums the products of several lhs blocks
+(:func:`gemm_sum_nt`).
 
 A kernel here computes one (bm, bn) output tile of ``a @ b`` with bf16 operands, accumulating in fp32 over K in
 steps of bk (:func:`accumulate`), then does its epilogue on the fp32 accumulator before anything is written: the
 value XLA's GEMM would write (a sum in another order), followed by what XLA would do in a separate pass.
-:mod:`jaxgpt.gelu_gemm` puts GELU there; :func:`linear_cast` puts the bias add and the rounding to bf16 that
-attention applies to q, k and v. :mod:`jaxgpt.compile.hlo` reads a Pallas kernel named ``gemm_nn_*`` or
-``gemm_nt_*`` as a GEMM (its first operand the (M, K) lhs, its second the rhs, (K, N) or (N, K), its first result
-(M, N)) plus the epilogue's extra bytes: every kernel here is named so.
-
-Compiled for the H100 (gpt2 124M, micro-batch 64, bf16), each q, k or v projection is an XLA GEMM writing fp32
-(201 MB at [65536, 768]) and a convert pass in attention's scope that reads it, adds the bias and writes the bf16
-operand cuDNN takes (302 MB moved, 36 such passes per step). :func:`linear_cast` writes the bf16 result directly.
-Its backward is :func:`jaxgpt.ops._matmul2d_bwd`'s, with the bias gradient summed from the (bf16) cotangent as the
-convert's backward would: the values are the plain path's. On CPUs (and fp32 compute) nothing changes: the plain
-``x @ w + b`` in fp32 (attention rounds it itself).
+:mod:`jaxgpt.gelu_gemm` puts GELU there, :mod:`jaxgpt.qkv` the bias add and bf16 rounding attention applies to q, k
+and v, :mod:`jaxgpt.fused_loss` the loss's row max and sum of exp. :mod:`jaxgpt.compile.hlo` reads a Pallas kernel
+named ``gemm_nn_*`` or ``gemm_nt_*`` as a GEMM (its first operand the (M, K) lhs, its second the rhs, (K, N) or
+(N, K), its first result (M, N)) plus the epilogue's extra bytes, and one named ``gemm_ntsum_*`` as the GEMM of its
+lhs blocks (every operand but the last) by its last, (N, sum K): every kernel here is named so.
 
 The block sizes are Triton's usual Hopper choice for a bf16 GEMM (128 x 128 tiles, K in steps of 64); they were
 not tuned on a GPU (none was lent when this was written). Shapes that are not multiples of the blocks are
-zero-padded (zero rows and columns add nothing to the kept part); GPT-2's never are.
+zero-padded where a kernel says so (zero rows and columns add nothing to the kept part); GPT-2's never are.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Literal
 
@@ -87,28 +83,29 @@ def grid(row_tiles: int, col_tiles: int) -> tuple[int, int]:
     return col_tiles, row_tiles
 
 
-def accumulate(a_ref, b_ref, *, bk: int, trans_b: bool = False) -> jax.Array:
+def accumulate(a_ref, b_ref, *, bk: int, trans_b: bool = False, b_offset: int = 0, acc: jax.Array | None = None
+               ) -> jax.Array:
     """Inside a kernel: ``a_ref @ b_ref`` (or ``a_ref @ b_ref.T``) of the program's blocks, (bm, K) by (K, bn) (or
-    (bn, K)), accumulated in fp32 over K in steps of ``bk``."""
+    (bn, K)), accumulated in fp32 over K in steps of ``bk``, onto ``acc`` (zeros if None). ``b_offset``: where
+    a_ref's K starts along b_ref's (a_ref one of several lhs blocks that split K)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     k = a_ref.shape[1]
 
     def step(i, acc):
-        at = pl.ds(i * bk, bk)
-        rhs = b_ref[:, at] if trans_b else b_ref[at, :]
+        at, bt = pl.ds(i * bk, bk), pl.ds(b_offset + i * bk, bk)
+        rhs = b_ref[:, bt] if trans_b else b_ref[bt, :]
         return acc + plgpu.dot(a_ref[:, at], rhs, trans_b=trans_b)
 
     rows, cols = a_ref.shape[0], b_ref.shape[0] if trans_b else b_ref.shape[1]
-    return jax.lax.fori_loop(0, k // bk, step, jnp.zeros((rows, cols), jnp.float32))
+    return jax.lax.fori_loop(0, k // bk, step, jnp.zeros((rows, cols), jnp.float32) if acc is None else acc)
 
 
 def resolve(impl: Impl, dtype) -> Impl:
     """"auto": the kernels on GPUs with bf16 operands (they take no other), XLA elsewhere."""
     if impl not in ("auto", "kernel", "interpret", "xla"):
-        raise GemmKernelError(f"impl = {impl!r}: allowed values are 'auto', 'kernel', 'interpret', 'xla' (and, for "
-                              "linear_cast, 'plain')")
+        raise GemmKernelError(f"impl = {impl!r}: allowed values are 'auto', 'kernel', 'interpret', 'xla'")
     if impl != "auto":
         return impl
     return "kernel" if ops.platform() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "xla"
@@ -147,47 +144,58 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _linear_cast(x, w, b, dtype, precision, impl):
-    return _linear_cast_fwd(x, w, b, dtype, precision, impl)[0]
+def _sum_kernel(*refs, bk: int, widths: tuple[int, ...]):
+    """One (bm, bn) tile of sum_s a_s @ b[:, K_s]^T, the lhs blocks a_s splitting b's K, accumulated in fp32; the
+    first column tile's programs also write the fp32 column sums of their rows of every a_s (bias gradients)."""
+    from jax.experimental import pallas as pl
+
+    *a_refs, b_ref, out_ref, sums_ref = refs
+    acc, offset = None, 0
+    for a_ref, width in zip(a_refs, widths, strict=True):
+        acc = accumulate(a_ref, b_ref, bk=bk, trans_b=True, b_offset=offset, acc=acc)
+        offset += width
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+    @pl.when(pl.program_id(0) == 0)  # the row block's other column tiles read the same a_s: one program sums them
+    def _():
+        start = 0
+        for a_ref, width in zip(a_refs, widths, strict=True):
+            for c in range(0, width, bk):
+                sums_ref[:, pl.ds(start + c, bk)] = a_ref[:, pl.ds(c, bk)].astype(jnp.float32).sum(
+                    axis=0, keepdims=True)
+            start += width
 
 
-def _linear_cast_fwd(x, w, b, dtype, precision, impl):
-    xc, wc = x.astype(dtype), w.astype(dtype)
-    if impl == "xla":
-        y = ops._dot(xc, wc, dtype, precision)
-        y = (y + b if b is not None else y).astype(dtype)
-    else:
-        y = gemm_bias_cast(xc, wc, b, out_dtype=dtype, interpret=impl == "interpret")
-    return y, (xc, wc, jnp.zeros((), x.dtype), None if b is None else jnp.zeros((), b.dtype))
+def gemm_sum_nt(a: list[Float[Array, "rows k_s"]], b: Float[Array, "n k"], *, out_dtype=jnp.float32,
+                interpret: bool = False, block: tuple[int, int, int] | None = None
+                ) -> tuple[Float[Array, "rows n"], Float[Array, "row_blocks k"]]:
+    """``(concat(a, axis=1) @ b.T, partial_sums)`` without the concatenation: the sum over the lhs blocks ``a_s``
+    (bf16, (rows, K_s)) of ``a_s @ b[:, K_s]^T`` with ``b`` bf16 (n, sum K_s), accumulated in fp32 in one Pallas
+    Triton GEMM (the input gradient of a layer whose output was split in column blocks: q, k and v's), and the fp32
+    column sums of ``concat(a)`` per block of rows (``partial_sums.sum(0)``: the layer's bias gradient). Every K_s
+    must be a multiple of 16; rows and n that are not multiples of the tile are zero-padded (GPT-2's are)."""
+    from jax.experimental import pallas as pl
 
-
-def _linear_cast_bwd(dtype, precision, impl, res, g):
-    xc, wc, x_like, b_like = res
-    gc = g.astype(dtype)  # the cotangent of a ``dtype`` result: already ``dtype``
-    db = None if b_like is None else g.astype(jnp.float32).sum(axis=0).astype(b_like.dtype)
-    dx = ops._dot(gc, ops.transpose_operand(wc), dtype, precision)  # as ops._matmul2d_bwd (fp32 GEMM output)
-    dw = ops._dot(ops.transpose_operand(xc), gc, dtype, precision)
-    return dx.astype(x_like.dtype), dw, db
-
-
-_linear_cast.defvjp(_linear_cast_fwd, _linear_cast_bwd)
-
-
-def linear_cast(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], b: Float[Array, " d_out"] | None, *,
-                dtype, precision=None, impl: Impl | Literal["plain"] = "auto") -> Float[Array, "... d_out"]:
-    """``x @ w + b`` as an attention projection feeds attention. On GPUs with bf16 operands ("auto" there:
-    "kernel") one Pallas GEMM whose epilogue adds the bias in fp32 and rounds the result to bf16, with
-    :func:`jaxgpt.ops._matmul2d_bwd`'s backward; "interpret" (the kernel in Pallas' interpreter) and "xla" (XLA's
-    GEMM, bias add and rounding) compute the same on any backend. Elsewhere ("auto" on CPUs or with fp32 compute:
-    "plain") the plain fp32 ``ops.matmul(x, w) + b`` of :class:`jaxgpt.model.Linear`, which attention rounds to the
-    compute dtype itself."""
-    if impl == "auto":
-        impl = "kernel" if ops.platform() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else "plain"
-    if impl == "plain":
-        y = ops.matmul(x, w, dtype=dtype, precision=precision)
-        return y + b if b is not None else y
-    resolve(impl, dtype)  # refuses an unknown impl
-    lead = x.shape[:-1]
-    y = _linear_cast(x.reshape(-1, x.shape[-1]), w, b, jnp.dtype(dtype), precision, impl)
-    return y.reshape(*lead, w.shape[-1])
+    bf16 = jnp.bfloat16
+    check("gemm_sum_nt", {**{f"a[{i}]": (x, bf16, "(rows, k_s)") for i, x in enumerate(a)},
+                          "b": (b, bf16, "(n, sum k_s)")})
+    m, n = a[0].shape[0], b.shape[0]
+    widths = tuple(x.shape[1] for x in a)
+    step = math.gcd(*widths) & -math.gcd(*widths)  # the largest power of two dividing every block's width
+    bm, bn, bk = blocks(m, n, min(step, BLOCK_K), block)
+    if any(x.shape[0] != m for x in a) or sum(widths) != b.shape[1] or bk < 16 or any(w % bk for w in widths):
+        raise GemmKernelError(f"gemm_sum_nt: lhs blocks {[tuple(x.shape) for x in a]} and b {tuple(b.shape)} must "
+                              f"share their rows and split b's {b.shape[1]} columns, in widths that are multiples of "
+                              "16 (a Triton dot's K)")
+    ap, bp = [pad_to(x, bm, 1) for x in a], pad_to(b, bn, 1)
+    mp, np_ = ap[0].shape[0], bp.shape[0]
+    k = b.shape[1]
+    y, sums = pl.pallas_call(
+        partial(_sum_kernel, bk=bk, widths=widths),
+        out_shape=(jax.ShapeDtypeStruct((mp, np_), out_dtype), jax.ShapeDtypeStruct((mp // bm, k), jnp.float32)),
+        grid=grid(mp // bm, np_ // bn),
+        in_specs=[*(pl.BlockSpec((bm, w), lambda j, i: (i, 0)) for w in widths),
+                  pl.BlockSpec((bn, k), lambda j, i: (j, 0))],
+        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)), pl.BlockSpec((1, k), lambda j, i: (i, 0))),
+        interpret=interpret, name="gemm_ntsum_split_input_grad", **compiler_params(interpret))(*ap, bp)
+    return (y[:m, :n] if (mp, np_) != (m, n) else y), sums

@@ -24,7 +24,8 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fused_loss, gelu, gelu_gemm, gemm, norm, ops
+from jaxgpt import fused_loss, gelu, gelu_gemm, norm, ops
+from jaxgpt import qkv as qkv_gemms
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import Policy
 
@@ -210,22 +211,16 @@ class Linear(nnx.Module):
         y = self.policy.matmul(x, self.kernel[...], gemm=self.gemm)  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
 
-    def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int, *, cast: bool = False
+    def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int
               ) -> list[Float[Array, "... d_out/n"]]:
         """The same ``x @ kernel + bias`` as n equal column blocks, one GEMM each: each block comes out dense. ``x``
-        may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies). ``cast``: the blocks feed a
-        consumer that rounds them to the compute dtype (attention), and Policy.qkv = "pallas" lets each GEMM's
-        epilogue do that rounding (jaxgpt.gemm.linear_cast: the same values)."""
+        may be n copies of the input, one per block's GEMM (LayerNorm.branch's copies)."""
         xs = list(x) if isinstance(x, (list, tuple)) else [x] * n
         if len(xs) != n:
             raise ValueError(f"Linear.split: {len(xs)} inputs for {n} column blocks: pass one input, or one per block")
         w, b = jnp.split(self.kernel[...], n, axis=-1), [None] * n
         if self.bias is not None:
             b = jnp.split(self.bias[...], n)
-        if cast and self.policy.qkv == "pallas":
-            p = self.policy
-            return [gemm.linear_cast(xi, wi, bi, dtype=p.dtype, precision=p.lax_precision)
-                    for xi, wi, bi in zip(xs, w, b, strict=True)]
         return [self.policy.matmul(xi, wi, gemm=self.gemm) + (0 if bi is None else bi)
                 for xi, wi, bi in zip(xs, w, b, strict=True)]
 
@@ -242,8 +237,13 @@ class CausalSelfAttention(nnx.Module):
 
     @property
     def gemms(self) -> int:
-        """How many GEMMs read the attention's input: the one c_attn GEMM on CPUs, q, k and v's three on GPUs."""
-        return 1 if ops.platform() == "cpu" else 3
+        """How many GEMMs read the attention's input: the one c_attn GEMM on CPUs, q, k and v's three on GPUs (one
+        op, jaxgpt.qkv's, under Policy.qkv = "pallas")."""
+        return 1 if ops.platform() == "cpu" or self._qkv_kernels else 3
+
+    @property
+    def _qkv_kernels(self) -> bool:
+        return self.policy.qkv == "pallas" and qkv_gemms.applies(self.policy.dtype)
 
     def __call__(
         self,
@@ -256,7 +256,12 @@ class CausalSelfAttention(nnx.Module):
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
         """``x``: the input, or one copy of it per GEMM that reads it (:attr:`gemms`; LayerNorm.branch's copies)."""
         attn_key, resid_key = _split(dropout_key, 2)
-        if self.gemms == 1:
+        if self._qkv_kernels and cache is None:  # bias + bf16 in the GEMMs, one GEMM for dx (jaxgpt.qkv)
+            p, c = self.policy, self.c_attn
+            qkv = qkv_gemms.projections(x[0] if isinstance(x, (list, tuple)) else x, c.kernel[...],
+                                        None if c.bias is None else c.bias[...], 3, dtype=p.dtype,
+                                        precision=p.lax_precision)
+        elif self.gemms == 1:
             qkv = self.c_attn(x[0] if isinstance(x, (list, tuple)) else x)  # (B, T, 3C)
             # split, not a (three, ...) unpack: split's backward is one concatenate of dq, dk, dv, an unpack's is
             # three zero-padded copies of the whole qkv gradient (150 ms of a 6 s gpt2 124M step on 2 cores)
@@ -265,7 +270,7 @@ class CausalSelfAttention(nnx.Module):
             # GPUs: one GEMM per projection (the weight's column blocks), so q, k and v come out dense as cuDNN
             # takes them; splitting one (B, T, 3C) output was 36 copy kernels forward and 24 concatenates backward
             # in the compiled H100 step (BENCHMARKS.md, "GPU, compiled")
-            qkv = self.c_attn.split(x, 3, cast=cache is None)  # attention rounds them to bf16 (Policy.qkv)
+            qkv = self.c_attn.split(x, 3)
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_head) for t in qkv)
         mask = None
         if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place

@@ -59,10 +59,11 @@ class Policy:
     # applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16 compute; the same values as
     # plain; XLA's path elsewhere); the same needs as pallas
     gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"
-    # the attention's q, k and v projections (jaxgpt.gemm.linear_cast): "plain" (on GPUs each GEMM writes fp32 and
-    # attention's convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose
-    # epilogue adds the bias and writes the bf16 that attention takes: the same values; GPUs with bf16 compute, the
-    # plain path elsewhere). Needs gemm_output float32 and no fp8 on the attention's GEMMs
+    # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
+    # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
+    # bias and writes the bf16 that attention takes, and one GEMM for their input gradient that also sums the bias
+    # gradient: the same values but for the order of fp32 sums; GPUs with bf16 compute, the plain path elsewhere).
+    # Needs gemm_output float32 and no fp8 on the attention's GEMMs
     qkv: Literal["plain", "pallas"] = "plain"
     # the fused loss's logits GEMM (jaxgpt.fused_loss.logits_lse): "plain" (on GPUs XLA's GEMM, then a pass reads each
     # chunk's logits for their row max and sum of exp) or "pallas" (a Pallas Triton GEMM that writes the bf16 logits

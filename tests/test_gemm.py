@@ -1,10 +1,11 @@
-"""jaxgpt.gemm (Policy.qkv = "pallas"): the GEMM with a bias + bf16 epilogue in Pallas' interpreter against the fp64
-truth and XLA's expression, linear_cast's custom VJP against autodiff of the plain path, a tiny GPT under the policy,
-the policy field, and the compiled tiny H100 step holding the kernels, read as GEMMs.
+"""jaxgpt.gemm and jaxgpt.qkv (Policy.qkv = "pallas"): the GEMM with a bias + bf16 epilogue and the GEMM summing
+several lhs blocks, in Pallas' interpreter against the fp64 truth and XLA's expression; the q, k, v projections' custom
+VJP against autodiff of the plain path; a tiny GPT under the policy; the policy field; the compiled tiny H100 step
+holding the kernels, read as GEMMs.
 
-Bounds (derived, not fitted; u = 2^-24): the bf16 x bf16 products are exact in fp32, so the fp32 accumulator plus the
-bias lies within gamma_{K+1} (sum |x| |w| + |b|) of the exact value in any summation order; rounded to bf16, two such
-values differ by at most one bf16 ulp of the larger plus twice that bound.
+Bounds (derived, not fitted; u = 2^-24): the bf16 x bf16 products are exact in fp32, so an fp32 accumulator of K of
+them (plus a bias: K + 1 terms) lies within gamma_{K+1} (sum |x| |w| + |b|) of the exact value in any summation order;
+rounded to bf16, two such values differ by at most one bf16 ulp of the larger plus twice that bound.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gemm, model, ops
+from jaxgpt import gemm, ops, qkv
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests.test_gelu_gemm import BF16, SMALL, _f64, _fwd_inputs
-from tests.test_gelu_kernel import _bf16_ulp, _check, _gamma
+from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
 from tests.tiny_training import tiny_adamw_losses
 
 
@@ -39,78 +40,103 @@ def test_bias_cast_kernel_against_the_truth_and_xla(m, k, n, block):
     _check("fp32 y", y32, _f64(x) @ _f64(w), _gamma(k) * (absw - np.abs(_f64(b))) + 1e-30)
 
 
-def test_kernel_and_linear_cast_refuse_what_they_cannot_take():
+def test_sum_kernel_against_the_truth():
+    """gemm_sum_nt: the sum of three lhs blocks' products with b's column blocks, one fp32 accumulation over their
+    widths, within gamma_K sum |a| |b| of the fp64 concat(a) @ b^T (K = 96: 32 per block); the column sums of
+    concat(a), per block of rows, within gamma_rows sum |a| of the truth (rows 50: a ragged, zero-padded tile)."""
+    r = np.random.default_rng(4)
+    a = [jnp.asarray(r.standard_normal((50, 32)), jnp.float32).astype(BF16) for _ in range(3)]
+    b = jnp.asarray(r.standard_normal((48, 96)) / 10, jnp.float32).astype(BF16)
+    got, sums = gemm.gemm_sum_nt(a, b, interpret=True, block=(32, 16, 16))
+    cat = np.concatenate([_f64(x) for x in a], axis=1)
+    assert (got.dtype, got.shape, sums.dtype, sums.shape) == (jnp.float32, (50, 48), jnp.float32, (2, 96))
+    _check("sum of products", got, cat @ _f64(b).T, _gamma(96) * np.abs(cat) @ np.abs(_f64(b)).T + 1e-30)
+    _check("column sums", sums.sum(0), cat.sum(0), _gamma(50) * np.abs(cat).sum(0) + 1e-30)
+    _check("first row block", sums[0], cat[:32].sum(0), _gamma(32) * np.abs(cat[:32]).sum(0) + 1e-30)
+
+
+def test_kernels_and_projections_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
-    with pytest.raises(gemm.GemmKernelError, match=r"x must be \(rows, d_in\).*reshape"):
+    with pytest.raises(gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gemm.gemm_bias_cast(x[None], w, b, interpret=True)
-    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32"):
+    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32.*impl 'xla'"):
         gemm.gemm_bias_cast(x, w.astype(jnp.float32), b, interpret=True)
     with pytest.raises(gemm.GemmKernelError, match=r"do not chain.*\(d_out,\)"):
         gemm.gemm_bias_cast(x, w, b[:8], interpret=True)
-    with pytest.raises(gemm.GemmKernelError, match="impl = 'cuda'.*'plain'"):
-        gemm.linear_cast(x, w, b, dtype=BF16, impl="cuda")
+    with pytest.raises(gemm.GemmKernelError, match="split b's 40 columns"):
+        gemm.gemm_sum_nt([x, x, x], jnp.ones((32, 40), BF16), interpret=True)
+    with pytest.raises(gemm.GemmKernelError, match="multiples of 16"):
+        gemm.gemm_sum_nt([x[:, :8], x[:, :8]], jnp.ones((32, 16), BF16), interpret=True)
+    with pytest.raises(gemm.GemmKernelError, match="impl = 'cuda'"):
+        qkv.projections(x, w, b, 2, dtype=BF16, impl="cuda")
+    with pytest.raises(gemm.GemmKernelError, match="32 output columns do not split into 3"):
+        qkv.projections(x, w, b, 3, dtype=BF16)
 
 
 def _grads(f, x, w, b, dy):
     @jax.jit
     def run(x, w, b, dy):
         def loss(x, w, b):
-            y = f(x, w, b)
-            return jnp.sum(y.astype(jnp.float32) * dy), y
-        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
-        return y, *grads
+            ys = f(x, w, b)
+            return sum(jnp.sum(y.astype(jnp.float32) * d) for y, d in zip(ys, dy)), ys
+        (_, ys), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+        return ys, *grads
     return run(x, w, b, dy)
 
 
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_linear_cast_vjp_against_autodiff_of_the_plain_path(with_bias):
-    """linear_cast against autodiff of the plain path as attention sees it ((x @ w + b) rounded to bf16), (2, 24, 32)
-    -> 96: with XLA's expression ("xla") value, dx and dW bit for bit and d(bias) within a sum-order bound; with the
-    kernel (interpreted) y within one bf16 ulp plus the GEMM bound and the gradients (the same backward GEMMs, the
-    same cotangent) bit for bit; "plain" (what "auto" is on CPUs) is Linear's fp32 path itself."""
+def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias):
+    """qkv.projections against autodiff of the plain path as attention sees it (three column blocks of x @ w + b,
+    each rounded to bf16), (2, 24, 32) -> 3 x 32: with XLA's expressions the values and dW bit for bit, dx (the
+    blocks' input gradients, summed) within the fp32 adds' rounding and d(bias) within a sum-order bound; with the
+    kernels (interpreted) the values within one bf16 ulp plus the GEMM bound, dx within the one-GEMM sum's bound of
+    the fp64 truth, dW as XLA's, d(bias) (the kernel's column sums) within the sum-order bound."""
     r = np.random.default_rng(3)
     x = jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32)
     w = jnp.asarray(0.3 * r.standard_normal((32, 96)), jnp.float32)
     b = jnp.asarray(0.5 * r.standard_normal(96), jnp.float32) if with_bias else None
-    dy = jnp.asarray(r.standard_normal((2, 24, 96)), jnp.float32)
+    dy = [jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32).astype(BF16) for _ in range(3)]
 
     def plain(x, w, b):
-        y = ops.matmul(x, w, dtype=BF16)
-        return (y + b if b is not None else y).astype(BF16)
+        ws, bs = jnp.split(w, 3, axis=-1), (jnp.split(b, 3) if b is not None else [None] * 3)
+        return tuple((ops.matmul(x, wi, dtype=BF16) + (0 if bi is None else bi)).astype(BF16)
+                     for wi, bi in zip(ws, bs))
 
-    y_p, dx_p, dw_p, db_p = _grads(plain, x, w, b, dy)
-    y_x, dx_x, dw_x, db_x = _grads(functools.partial(gemm.linear_cast, dtype=BF16, impl="xla"), x, w, b, dy)
-    for name, got, want in (("y", y_x, y_p), ("dx", dx_x, dx_p), ("dW", dw_x, dw_p)):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
-    gabs = np.abs(_f64(dy.astype(BF16))).reshape(-1, 96).sum(0)
+    ys_p, dx_p, dw_p, db_p = _grads(plain, x, w, b, dy)
+    ys_x, dx_x, dw_x, db_x = _grads(lambda x, w, b: qkv.projections(x, w, b, 3, dtype=BF16, impl="xla"), x, w, b, dy)
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(ys_x[i], np.float32), np.asarray(ys_p[i], np.float32))
+    np.testing.assert_array_equal(np.asarray(dw_x), np.asarray(dw_p))
+    g = np.concatenate([_f64(d).reshape(-1, 32) for d in dy], axis=1)  # (48, 96): the bf16 cotangents
+    wb = _f64(w.astype(BF16))
+    dx_truth, dx_abs = g @ wb.T, np.abs(g) @ np.abs(wb).T
+    _check("xla dx", np.asarray(dx_x).reshape(-1, 32), np.asarray(dx_p).reshape(-1, 32), 4 * U * dx_abs + 1e-30)
     if with_bias:
-        _check("xla d(bias)", db_x, db_p, 2 * _gamma(48) * gabs + 1e-30)
+        _check("xla d(bias)", db_x, db_p, 2 * _gamma(48) * np.abs(g).sum(0) + 1e-30)
     else:
         assert db_x is None and db_p is None
-    y_k, dx_k, dw_k, db_k = _grads(functools.partial(gemm.linear_cast, dtype=BF16, impl="interpret"), x, w, b, dy)
-    absw = np.abs(_f64(x.astype(BF16))).reshape(-1, 32) @ np.abs(_f64(w.astype(BF16))) + (
-        0.0 if b is None else np.abs(_f64(b)))
-    _check("kernel y", np.asarray(y_k, np.float32).reshape(-1, 96), np.asarray(y_p, np.float32).reshape(-1, 96),
-           _bf16_ulp(y_k, y_p).reshape(-1, 96) + 2 * _gamma(33) * absw + 1e-30)
-    for name, got, want in (("dx", dx_k, dx_p), ("dW", dw_k, dw_p)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    ys_k, dx_k, dw_k, db_k = _grads(lambda x, w, b: qkv.projections(x, w, b, 3, dtype=BF16, impl="interpret"),
+                                    x, w, b, dy)
+    absw = np.abs(_f64(x.astype(BF16))).reshape(-1, 32) @ np.abs(wb) + (0.0 if b is None else np.abs(_f64(b)))
+    y_k = np.concatenate([np.asarray(y, np.float32).reshape(-1, 32) for y in ys_k], axis=1)
+    y_p = np.concatenate([np.asarray(y, np.float32).reshape(-1, 32) for y in ys_p], axis=1)
+    _check("kernel y", y_k, y_p, _bf16_ulp(y_k, y_p) + 2 * _gamma(33) * absw + 1e-30)
+    _check("kernel dx", np.asarray(dx_k).reshape(-1, 32), dx_truth, _gamma(96) * dx_abs + 1e-30)
+    np.testing.assert_array_equal(np.asarray(dw_k), np.asarray(dw_p))
     if with_bias:
-        _check("kernel d(bias)", db_k, db_p, 2 * _gamma(48) * gabs + 1e-30)
-    y_plain = gemm.linear_cast(x, w, b, dtype=BF16)  # "auto" on the CPU: the plain fp32 path
-    lin = ops.matmul(x, w, dtype=BF16)
-    np.testing.assert_array_equal(np.asarray(y_plain), np.asarray(lin + b if b is not None else lin))
+        _check("kernel d(bias)", db_k, db_p, 2 * _gamma(48) * np.abs(g).sum(0) + 1e-30)
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT under Policy(qkv='pallas'), bf16, with the GPU's three q, k, v GEMMs (CausalSelfAttention.gemms
-    forced to 3): with the CPU's own path its 3 AdamW losses are the plain policy's bit for bit; with the kernel
-    (interpreted: q, k and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's
-    does on GPUs) within 1e-4 relative."""
-    monkeypatch.setattr(model.CausalSelfAttention, "gemms", property(lambda self: 3))
+    """A tiny GPT under Policy(qkv='pallas'), bf16: on the CPU (where the kernels do not apply) its 3 AdamW losses are
+    the plain policy's bit for bit; with the GPU's path forced here (jaxgpt.qkv's op, its kernels interpreted: q, k
+    and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's does on GPUs)
+    within 1e-4 relative."""
     plain = tiny_adamw_losses(Policy.bf16(), 3)
     assert plain[-1] < plain[0] - 0.05, plain
     assert tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3) == plain
-    monkeypatch.setattr(gemm, "linear_cast", functools.partial(gemm.linear_cast, impl="interpret"))
+    monkeypatch.setattr(qkv, "applies", lambda dtype: True)
+    monkeypatch.setattr(qkv, "projections", functools.partial(qkv.projections, impl="interpret"))
     np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3), plain, rtol=1e-4)
 
 
@@ -132,9 +158,10 @@ def test_policy_field_and_train_config():
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts():
-    """The tiny step compiled for the H100 under qkv=pallas: three Pallas GEMMs per layer (q, k, v), each read as a
-    GEMM at the least efficient measured GEMM rate with the FLOPs of the plain program's GEMM it replaces; the convert
-    passes in attention's scope (bias add + bf16) are gone."""
+    """The tiny step compiled for the H100 under qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
+    bf16 in the epilogue) and one backward (the input gradient of all three), each read as a GEMM at the least
+    efficient measured GEMM rate, with the plain program's GEMM FLOPs in all; the convert passes in attention's scope
+    are gone, and the step moves fewer bytes."""
     from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
 
     if PLUGIN_PROBLEM is not None:
@@ -146,12 +173,14 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts
     ks, _ = hlo.kernels(cs.hlo_text())
     kp, _ = hlo.kernels(plain.hlo_text())
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
-    assert [k.gemm for k in pallas] == ["pallas bf16->bf16 NN"] * 3 * cs.cfg.model.n_layer
-    assert {k.category for k in pallas} == {"matmuls fwd"}
+    layers = cs.cfg.model.n_layer
+    assert sorted(k.gemm for k in pallas) == ["pallas bf16->bf16 NN"] * 3 * layers + ["pallas bf16->f32 NT"] * layers
+    assert sorted(k.category for k in pallas) == ["matmuls bwd"] * layers + ["matmuls fwd"] * 3 * layers
     gemm_flops = lambda kernels: sum(k.flops * k.count for k in kernels if k.matmul_dtype)
     assert gemm_flops(ks) == pytest.approx(gemm_flops(kp), rel=1e-4)  # but XLA's fused elementwise ops
     assert [k for k in kp if k.category == "attention: casts, layout"]
     assert not [k for k in ks if k.category == "attention: casts, layout"]
+    assert sum(k.bytes * k.count for k in ks) < sum(k.bytes * k.count for k in kp)
     cal = calibrated.for_target("h100-sxm")
     worst = min((r for r in cal.rates.values() if r.kind == "gemm" and r.efficiency() > 0),
                 key=calibrated.Rate.efficiency)

@@ -66,7 +66,7 @@ ATTN_BWD_KERNEL = re.compile(r"bprop|bwd|backward|dgrad|_dq|dkv", re.I)
 COPY_KERNEL = re.compile(r"memcpy|memset|copy", re.I)
 SCOPES = ("optimizer", "cross_entropy", "attention", "layer_norm", "gelu", "embed")  # the first found wins
 SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
-PALLAS_GEMM = re.compile(r"/gemm_n[nt]_\w+/pallas_call")
+PALLAS_GEMM = re.compile(r"/gemm_n(?:n|t|tsum)_\w+/pallas_call")
 ROW = {"layer_norm": "LayerNorm", "gelu": "GELU"}
 
 
@@ -96,7 +96,7 @@ def categorize(kernel: str, ins: hlo_trace.Instr | None, mod: hlo_trace.Module |
         return "other"
     scope = scope_of(mod, ins) if mod else ""
     bwd = " bwd" if "transpose(" in ins.op_name else " fwd"
-    # a Pallas GEMM (jaxgpt.gemm's kernels, named gemm_nn_* / gemm_nt_*) counts as a GEMM with its fused epilogue
+    # a Pallas GEMM (jaxgpt.gemm's kernels, named gemm_nn_*, gemm_nt_*, gemm_ntsum_*) counts as a GEMM with its epilogue
     gemm = (mod.is_gemm(ins) if mod else False) or bool(PALLAS_GEMM.search(ins.op_name))
     root = SCOPE.search(ins.op_name)
     if scope == "optimizer":

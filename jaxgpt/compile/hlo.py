@@ -277,12 +277,15 @@ class Rollup:
                       loop_depth, gemm)
 
     def _pallas_gemm(self, comp: str, ins: Instr, kernel: Kernel) -> list[Kernel]:
-        """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's) as two kernels:
+        """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's; ``gemm_ntsum_*``:
+        :meth:`_pallas_sum_gemm`) as two kernels:
         the GEMM (its first operand is the lhs (M, K), its second the rhs, (K, N) for nn or (N, K) for nt, its first
         result (M, N): 2 M N K FLOPs and those three arrays' bytes) and its epilogue (every other operand and result:
         bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the epilogue's extra
         traffic."""
         name = pallas_name(ins)
+        if name.startswith("gemm_ntsum_"):
+            return self._pallas_sum_gemm(comp, ins, kernel, name)
         layout = name[len("gemm_"):len("gemm_") + 2]
         lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[:2])
         out = ins.shapes[0]
@@ -300,6 +303,25 @@ class Rollup:
         epilogue = dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0,
                                        bytes=kernel.bytes - gemm_bytes)
         return [gemm, epilogue]
+
+    def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
+        """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
+        (M, K_s) each) split the K of its last operand, (N, sum K_s); it writes (M, N) first: 2 M N sum K_s FLOPs and
+        those arrays' bytes; its other results are its epilogue's."""
+        shapes = [self.m.instr_shape(comp, o)[0] for o in ins.operands]
+        *lhs, rhs = shapes
+        out = ins.shapes[0]
+        if len(rhs.dims) != 2 or len(out.dims) != 2 or any(len(a.dims) != 2 or a.dims[0] != out.dims[0] for a in lhs) \
+                or sum(a.dims[1] for a in lhs) != rhs.dims[1] or rhs.dims[0] != out.dims[1]:
+            raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) takes (M, K_s) lhs blocks and an (N, sum K_s) "
+                             f"rhs and writes (M, N), got {lhs}, {rhs} -> {out}")
+        gemm_bytes = sum(a.bytes for a in shapes) + out.bytes
+        gemm = dataclasses.replace(
+            kernel, flops=2.0 * out.elements * rhs.dims[1], bytes=gemm_bytes, matmul_dtype=rhs.dtype,
+            category=categorize(ins, kernel.opcode, rhs.dtype),
+            gemm=_gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [1]))
+        return [gemm, dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0,
+                                          bytes=kernel.bytes - gemm_bytes)]
 
     def _fused_gemm(self, comp: str, out_dtype: str) -> str:
         """The class of the (first) dot inside a fused GEMM computation (a Triton GEMM fusion)."""
