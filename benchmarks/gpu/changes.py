@@ -103,6 +103,16 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
      "grouped norm)",
      "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
          "b64": "combined-fast-lse-b64", "b16": "combined-fast-lse-b16", "yaml": "combined-fast-lse-gpt2-124m"}),
+    (("attention, qkv=pallas's backward: the input gradient of q, k and v as one Pallas GEMM over the three "
+      "gradients ([dq dk dv] @ W_attn^T, one fp32 sum, as the CPU's single c_attn GEMM) that also sums their bias "
+      "gradient's columns, so ln_1 hands the projections one ln(x), its backward kernel reads one gradient, not "
+      "three, and no pass re-reads dq, dk, dv for the bias. Priced as above"),
+     "qkv=pallas", {"b64": "qkv-pallas-sum-b64", "b16": "qkv-pallas-sum-b16", "yaml": "qkv-pallas-sum-gpt2-124m"}),
+    ("the fastest set predicted, with q, k and v's input gradient as one GEMM (bench variant jax_bf16_fast, without "
+     "the grouped norm)",
+     "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
+         "b64": "combined-fast-qkvsum-b64", "b16": "combined-fast-qkvsum-b16",
+         "yaml": "combined-fast-qkvsum-gpt2-124m"}),
 ]
 
 
