@@ -24,11 +24,16 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jaxgpt import fp8 as f8
 from jaxgpt import gemm, ops
+from jaxgpt.config import ConfigError
 
 CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
 # on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
 # vocabulary), and there is no cache to stay inside; see _chunk_rows
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
+# a chunk's fixed cost in rows of work, for _chunk_rows' choice between padded rows and more chunks: each chunk reads
+# the bf16 head and rewrites the fp32 dW (10 V C bytes) where a row costs its three GEMMs (6 V C FLOPs); at an
+# H100's ~200 FLOP per byte of HBM a chunk is ~333 rows
+CHUNK_COST_ROWS = 333
 
 
 def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8: bool = False, multiple: int = 1
@@ -39,8 +44,9 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
     x C=768 one 1,024-row chunk took 1.53-1.56 s against 1.62-1.65 s for two of 512 and 1.68 s for four of 256;
     at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
     chunk slower (1.25-1.31 s: more memory traffic per pass). ``multiple``: rows a multiple of it (the logits
-    kernel's row block, whose chunks must not be sliced), with as few padded rows as the chunk counts from the
-    fewest up to 8 more can give (at gpt2 b64 16 chunks of 4,096 rows, none padded, where 13 of 5,042 were)."""
+    kernel's row block, whose chunks must not be sliced): of the chunk counts from the fewest up to 8 more, the one
+    with the least work counting each chunk as :data:`CHUNK_COST_ROWS` rows (at gpt2 b64 16 chunks of 4,096 rows,
+    none padded, where 13 of 5,042 were; at b128 25 of 5,248, 128 padded, not 32 of 4,096)."""
     if budget is None:
         budget = CE_CHUNK_ELEMENTS if ops.platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
     rows = max(1, min(n_rows, budget // vocab_rows))
@@ -48,7 +54,7 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
     rows = math.ceil(n_rows / n_chunks)  # balanced chunks: the padded last chunk wastes < n_chunks rows
     if multiple > 1:
         fits = [-(-math.ceil(n_rows / n) // multiple) * multiple for n in range(n_chunks, n_chunks + 9)]
-        rows = min(fits, key=lambda r: (math.ceil(n_rows / r) * r, -r))
+        rows = min(fits, key=lambda r: (math.ceil(n_rows / r) * (r + CHUNK_COST_ROWS), -r))
     if fp8 and ops.platform() != "cpu":
         # e4m3 logits GEMM: cuBLASLt's fp8 GEMM takes dimensions divisible by 16; XLA pads a chunk of other rows
         # and slices its (rows, vocab) fp32 result back, a pass over each chunk's logits (2 GB at gpt2 b64)
@@ -86,13 +92,15 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
     from jax.experimental import pallas as pl
 
     bf16 = jnp.bfloat16
-    gemm.check("logits_lse", {"h": (h, bf16, "(rows, embed)"), "w": (w, bf16, "(vocab_rows, embed)")})
+    fix = "use lm_head: plain for these shapes or dtypes"
+    gemm.check("logits_lse", {"h": (h, bf16, "(rows, embed)"), "w": (w, bf16, "(vocab_rows, embed)")}, fix)
     (m_rows, k), n = h.shape, w.shape[0]
     bm, bn, bk = gemm.blocks(m_rows, n, k, block)
-    if w.shape[1] != k or m_rows % bm or n % bn or k % bk or not 0 < vocab_size <= n:
-        raise gemm.GemmKernelError(f"logits_lse: h {tuple(h.shape)} and w {tuple(w.shape)} (vocab_size {vocab_size}) "
-                                   f"must share the embedding width and be multiples of the ({bm}, {bn}, {bk}) blocks; "
-                                   "use lm_head: plain for other shapes")
+    if not 0 < vocab_size <= n:
+        raise gemm.GemmKernelError(f"logits_lse: vocab_size {vocab_size} must be in (0, {n}], the head's rows")
+    if w.shape[1] != k or m_rows % bm or n % bn or k % bk:
+        raise gemm.GemmKernelError(f"logits_lse: h {tuple(h.shape)} and w {tuple(w.shape)} must share the embedding "
+                                   f"width and be multiples of the ({bm}, {bn}, {bk}) blocks; {fix}")
     # row tiles first (the GPU launches the first axis fastest): a chunk's rows (4,096 x 768 in bf16: 6.3 MB) stay in
     # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.gemm.grid's order
     raw, tile_m, tile_s = pl.pallas_call(
@@ -108,7 +116,7 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
     return raw, m[:, None], s[:, None]
 
 
-def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int) -> str | None:
+def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int, width: int) -> str | None:
     """How the chunks' row max and sum of exp are computed: "kernel" or "interpret" (:func:`logits_lse`: lm_head
     pallas on GPUs, bf16 operands and logits, the head a multiple of the kernel's column block), None (XLA's
     pass)."""
@@ -118,9 +126,12 @@ def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int
             or jnp.dtype(logits_dtype) != jnp.bfloat16:
         return None
     if vocab_rows % gemm.BLOCK_N:
-        raise ValueError(f"lm_head = 'pallas' takes the head's rows in blocks of {gemm.BLOCK_N}, got {vocab_rows} "
-                         f"(the vocabulary unpadded): set model.padded_vocab_size to a multiple of {gemm.BLOCK_N} "
-                         "(GPT-2: 50304), or lm_head: plain")
+        raise ConfigError(f"lm_head = 'pallas' takes the head's rows in blocks of {gemm.BLOCK_N}, got {vocab_rows} "
+                          f"(the vocabulary unpadded): set model.padded_vocab_size to a multiple of {gemm.BLOCK_N} "
+                          "(GPT-2: 50304), or lm_head: plain")
+    if width % 16:
+        raise ConfigError(f"lm_head = 'pallas' takes an embedding width that is a multiple of 16 (a Triton dot's K), "
+                          f"got n_embd {width}: use lm_head: plain")
     return _LSE_IMPL
 
 
@@ -238,7 +249,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     GEMM write the row max and sum of exp too (:func:`logits_lse`, where :func:`_lse_kernel` allows)."""
     M, C = h.shape
     V = w.shape[0]
-    lse_kernel = _lse_kernel(lm_head, dtype, logits_dtype, fp8, V)
+    lse_kernel = _lse_kernel(lm_head, dtype, logits_dtype, fp8, V, C)
     rows = _chunk_rows(M, V, fp8=fp8, multiple=gemm.BLOCK_M if lse_kernel else 1)
     n_chunks = math.ceil(M / rows)
     pad = n_chunks * rows - M

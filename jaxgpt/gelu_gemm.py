@@ -39,6 +39,7 @@ from jaxgpt import gelu, gemm, ops
 from jaxgpt.gemm import GemmKernelError, Impl
 
 SCOPE = gelu.SCOPE  # the profile's and jaxgpt.compile's category: GELU's
+FIX = "the kernels take bf16 operands (and fp32 h): mlp(impl='xla' or 'auto') for other dtypes, or gelu: plain"
 
 
 def _fwd_kernel(x_ref, w_ref, b_ref, h_ref, y_ref, *, bk: int):
@@ -65,7 +66,7 @@ def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: 
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32
-    gemm.check("fc_gemm_gelu", {"x": (x, bf16, "(rows, d_in)"), "w": (w, bf16, "(d_in, d_ff)")})
+    gemm.check("fc_gemm_gelu", {"x": (x, bf16, "(rows, d_in)"), "w": (w, bf16, "(d_in, d_ff)")}, FIX)
     (m, k), n = x.shape, w.shape[1]
     if w.shape[0] != k or (b is not None and b.shape != (n,)):
         raise GemmKernelError(f"fc_gemm_gelu: x {tuple(x.shape)}, w {tuple(w.shape)} and bias "
@@ -96,7 +97,7 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
 
     bf16, f32 = jnp.bfloat16, jnp.float32
     gemm.check("proj_gemm_gelu_backward", {"g": (g, bf16, "(rows, d_out)"), "w": (w, bf16, "(d_ff, d_out)"),
-                                            "h": (h, f32, "(rows, d_ff)")})
+                                            "h": (h, f32, "(rows, d_ff)")}, FIX)
     (m, k), n = g.shape, w.shape[0]
     if w.shape[1] != k or h.shape != (m, n):
         raise GemmKernelError(f"proj_gemm_gelu_backward: g {tuple(g.shape)}, w {tuple(w.shape)} and h "

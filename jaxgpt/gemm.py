@@ -31,6 +31,7 @@ from jaxgpt import ops
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # one program's output tile and its K step
 NUM_WARPS, NUM_STAGES = 8, 3
 Impl = Literal["auto", "kernel", "interpret", "xla"]
+QKV_FIX = "the kernels take bf16 operands and widths that are multiples of 16: use qkv: plain for other models"
 
 
 class GemmKernelError(ValueError):
@@ -61,17 +62,15 @@ def compiler_params(interpret: bool) -> dict:
     return {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
 
 
-def check(name: str, arrays: dict[str, tuple[jax.Array, object, str]]) -> None:
+def check(name: str, arrays: dict[str, tuple[jax.Array, object, str]], fix: str) -> None:
     """Every ``{key: (array, dtype, "(rows, cols)")}`` is 2-D of that dtype, else a :class:`GemmKernelError` naming
-    it."""
+    it and ``fix`` (what the caller's user can do instead)."""
     for key, (a, dtype, shape) in arrays.items():
         if getattr(a, "ndim", 0) != 2:
             raise GemmKernelError(f"{name}: {key} must be 2-D, {shape}, got shape {tuple(getattr(a, 'shape', ()))} "
                                   "(an activation's leading axes flatten with a.reshape(-1, a.shape[-1]))")
         if a.dtype != dtype:
-            raise GemmKernelError(f"{name}: {key} must be {jnp.dtype(dtype).name}, got {a.dtype}: the kernels take "
-                                  "bf16 operands (fp32 h and partial sums); cast them, or use impl 'xla' (or "
-                                  "'auto') for another compute dtype")
+            raise GemmKernelError(f"{name}: {key} must be {jnp.dtype(dtype).name}, got {a.dtype}; {fix}")
 
 
 def grid(row_tiles: int, col_tiles: int) -> tuple[int, int]:
@@ -123,7 +122,8 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
     Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend)."""
     from jax.experimental import pallas as pl
 
-    check("gemm_bias_cast", {"x": (x, jnp.bfloat16, "(rows, d_in)"), "w": (w, jnp.bfloat16, "(d_in, d_out)")})
+    check("gemm_bias_cast", {"x": (x, jnp.bfloat16, "(rows, d_in)"), "w": (w, jnp.bfloat16, "(d_in, d_out)")},
+          QKV_FIX)
     (m, k), n = x.shape, w.shape[1]
     if w.shape[0] != k or (b is not None and b.shape != (n,)):
         raise GemmKernelError(f"gemm_bias_cast: x {tuple(x.shape)}, w {tuple(w.shape)} and bias "
@@ -177,8 +177,10 @@ def gemm_sum_nt(a: list[Float[Array, "rows k_s"]], b: Float[Array, "n k"], *, ou
     from jax.experimental import pallas as pl
 
     bf16 = jnp.bfloat16
+    if not a:
+        raise GemmKernelError("gemm_sum_nt: no lhs blocks: pass at least one (rows, k_s) array")
     check("gemm_sum_nt", {**{f"a[{i}]": (x, bf16, "(rows, k_s)") for i, x in enumerate(a)},
-                          "b": (b, bf16, "(n, sum k_s)")})
+                          "b": (b, bf16, "(n, sum k_s)")}, QKV_FIX)
     m, n = a[0].shape[0], b.shape[0]
     widths = tuple(x.shape[1] for x in a)
     step = math.gcd(*widths) & -math.gcd(*widths)  # the largest power of two dividing every block's width
@@ -186,7 +188,7 @@ def gemm_sum_nt(a: list[Float[Array, "rows k_s"]], b: Float[Array, "n k"], *, ou
     if any(x.shape[0] != m for x in a) or sum(widths) != b.shape[1] or bk < 16 or any(w % bk for w in widths):
         raise GemmKernelError(f"gemm_sum_nt: lhs blocks {[tuple(x.shape) for x in a]} and b {tuple(b.shape)} must "
                               f"share their rows and split b's {b.shape[1]} columns, in widths that are multiples of "
-                              "16 (a Triton dot's K)")
+                              f"16 (a Triton dot's K); {QKV_FIX}")
     ap, bp = [pad_to(x, bm, 1) for x in a], pad_to(b, bn, 1)
     mp, np_ = ap[0].shape[0], bp.shape[0]
     k = b.shape[1]

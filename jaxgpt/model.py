@@ -261,7 +261,7 @@ class CausalSelfAttention(nnx.Module):
             qkv = qkv_gemms.projections(x[0] if isinstance(x, (list, tuple)) else x, c.kernel[...],
                                         None if c.bias is None else c.bias[...], 3, dtype=p.dtype,
                                         precision=p.lax_precision)
-        elif self.gemms == 1:
+        elif self.gemms == 1 and not self._qkv_kernels:
             qkv = self.c_attn(x[0] if isinstance(x, (list, tuple)) else x)  # (B, T, 3C)
             # split, not a (three, ...) unpack: split's backward is one concatenate of dq, dk, dv, an unpack's is
             # three zero-padded copies of the whole qkv gradient (150 ms of a 6 s gpt2 124M step on 2 cores)
@@ -269,8 +269,8 @@ class CausalSelfAttention(nnx.Module):
         else:
             # GPUs: one GEMM per projection (the weight's column blocks), so q, k and v come out dense as cuDNN
             # takes them; splitting one (B, T, 3C) output was 36 copy kernels forward and 24 concatenates backward
-            # in the compiled H100 step (BENCHMARKS.md, "GPU, compiled")
-            qkv = self.c_attn.split(x, 3)
+            # in the compiled H100 step (BENCHMARKS.md, "GPU, compiled"); decoding under Policy.qkv = "pallas" too
+            qkv = self.c_attn.split(x[0] if self.gemms == 1 and isinstance(x, (list, tuple)) else x, 3)
         q, k, v = (rearrange(t, "b t (h d) -> b t h d", h=self.n_head) for t in qkv)
         mask = None
         if cache is not None:  # write this step's keys/values at [pos, pos+T) of layer `layer`, in place

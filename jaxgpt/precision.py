@@ -55,9 +55,9 @@ class Policy:
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
     # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
     # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm"
-    # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's input-gradient GEMM
-    # applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16 compute; the same values as
-    # plain; XLA's path elsewhere); the same needs as pallas
+    # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's
+    # input-gradient GEMM applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16
+    # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas
     gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"
     # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
     # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the

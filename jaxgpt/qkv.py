@@ -61,7 +61,7 @@ def _projections_fwd(x, w, b, n, dtype, precision, impl):
 def _projections_bwd(n, dtype, precision, impl, res, gs):
     xc, wc, x_like, b_like = res
     gcs = [g.astype(dtype) for g in gs]  # the cotangents of ``dtype`` results: already ``dtype``
-    if impl == "xla":  # the blocks' input gradients, summed in fp32; the bias gradient from the fp32 cotangents
+    if impl == "xla":  # the blocks' input gradients, summed in fp32; the bias gradient summed in fp32
         dx = sum(ops._dot(g, ops.transpose_operand(wi), dtype, precision)
                  for g, wi in zip(gcs, _blocks(wc, None, n)[0], strict=True))
         sums = jnp.concatenate([g.astype(jnp.float32).sum(axis=0) for g in gs])[None]
@@ -83,7 +83,8 @@ def projections(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], b: F
     :func:`applies`, else XLA's)."""
     impl = gemm.resolve(impl, dtype)
     if w.shape[-1] % n:
-        raise gemm.GemmKernelError(f"qkv.projections: {w.shape[-1]} output columns do not split into {n} blocks")
+        raise gemm.GemmKernelError(f"qkv.projections: {w.shape[-1]} output columns do not split into {n} equal blocks; "
+                                   "pass n that divides them (3 for q, k and v)")
     lead = x.shape[:-1]
     ys = _projections(x.reshape(-1, x.shape[-1]), w, b, n, jnp.dtype(dtype), precision, impl)
     return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)

@@ -476,3 +476,7 @@ def test_issue_32s_budget_splits_the_baseline_prediction_into_what_stays_and_wha
     assert ("| gpt2-124m.yaml, b64 x 8, the fastest set | 992.9 | 731.7 | 7.4 | 253.8 | 1,050.0 | 311.0 | "
             "none (met) |") in changes.OUT.read_text()
     assert changes.budget("b64", {"b16": "baseline-b16"}) is None  # a row without that program
+    # what the Pallas GEMMs' prediction leaves out, bounded: the epilogues' special-function work, none overlapped
+    sfu_ms = sum(changes.EPILOGUE_SFU.values()) / changes.SFU_PER_S * 1e3
+    assert 3 < sfu_ms < 5 and changes.epilogue_lines()[0] in changes.OUT.read_text()
+    assert f"predict {fast['total'] + sfu_ms:.1f} ms at b64" in changes.OUT.read_text()

@@ -59,7 +59,7 @@ def test_kernels_and_projections_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
     with pytest.raises(gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gemm.gemm_bias_cast(x[None], w, b, interpret=True)
-    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32.*impl 'xla'"):
+    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32.*qkv: plain"):
         gemm.gemm_bias_cast(x, w.astype(jnp.float32), b, interpret=True)
     with pytest.raises(gemm.GemmKernelError, match=r"do not chain.*\(d_out,\)"):
         gemm.gemm_bias_cast(x, w, b[:8], interpret=True)
@@ -69,8 +69,10 @@ def test_kernels_and_projections_refuse_what_they_cannot_take():
         gemm.gemm_sum_nt([x[:, :8], x[:, :8]], jnp.ones((32, 16), BF16), interpret=True)
     with pytest.raises(gemm.GemmKernelError, match="impl = 'cuda'"):
         qkv.projections(x, w, b, 2, dtype=BF16, impl="cuda")
-    with pytest.raises(gemm.GemmKernelError, match="32 output columns do not split into 3"):
+    with pytest.raises(gemm.GemmKernelError, match="32 output columns do not split into 3 equal blocks.*pass n"):
         qkv.projections(x, w, b, 3, dtype=BF16)
+    with pytest.raises(gemm.GemmKernelError, match="no lhs blocks"):
+        gemm.gemm_sum_nt([], w.T, interpret=True)
 
 
 def _grads(f, x, w, b, dy):
@@ -84,18 +86,20 @@ def _grads(f, x, w, b, dy):
     return run(x, w, b, dy)
 
 
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias):
+@pytest.mark.parametrize("with_bias, batch", [(True, 2), (False, 2), (True, 7)],
+                         ids=["bias", "no-bias", "bias-168-rows"])
+def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias, batch):
     """qkv.projections against autodiff of the plain path as attention sees it (three column blocks of x @ w + b,
-    each rounded to bf16), (2, 24, 32) -> 3 x 32: with XLA's expressions the values and dW bit for bit, dx (the
+    each rounded to bf16), (batch, 24, 32) -> 3 x 32 (168 rows: two of the kernel's 128-row tiles, so the bias
+    gradient sums two rows of partial sums): with XLA's expressions the values and dW bit for bit, dx (the
     blocks' input gradients, summed) within the fp32 adds' rounding and d(bias) within a sum-order bound; with the
     kernels (interpreted) the values within one bf16 ulp plus the GEMM bound, dx within the one-GEMM sum's bound of
     the fp64 truth, dW as XLA's, d(bias) (the kernel's column sums) within the sum-order bound."""
     r = np.random.default_rng(3)
-    x = jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32)
+    x = jnp.asarray(r.standard_normal((batch, 24, 32)), jnp.float32)
     w = jnp.asarray(0.3 * r.standard_normal((32, 96)), jnp.float32)
     b = jnp.asarray(0.5 * r.standard_normal(96), jnp.float32) if with_bias else None
-    dy = [jnp.asarray(r.standard_normal((2, 24, 32)), jnp.float32).astype(BF16) for _ in range(3)]
+    dy = [jnp.asarray(r.standard_normal((batch, 24, 32)), jnp.float32).astype(BF16) for _ in range(3)]
 
     def plain(x, w, b):
         ws, bs = jnp.split(w, 3, axis=-1), (jnp.split(b, 3) if b is not None else [None] * 3)
@@ -107,12 +111,13 @@ def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias):
     for i in range(3):
         np.testing.assert_array_equal(np.asarray(ys_x[i], np.float32), np.asarray(ys_p[i], np.float32))
     np.testing.assert_array_equal(np.asarray(dw_x), np.asarray(dw_p))
-    g = np.concatenate([_f64(d).reshape(-1, 32) for d in dy], axis=1)  # (48, 96): the bf16 cotangents
+    g = np.concatenate([_f64(d).reshape(-1, 32) for d in dy], axis=1)  # (rows, 96): the bf16 cotangents
+    rows = g.shape[0]
     wb = _f64(w.astype(BF16))
     dx_truth, dx_abs = g @ wb.T, np.abs(g) @ np.abs(wb).T
     _check("xla dx", np.asarray(dx_x).reshape(-1, 32), np.asarray(dx_p).reshape(-1, 32), 4 * U * dx_abs + 1e-30)
     if with_bias:
-        _check("xla d(bias)", db_x, db_p, 2 * _gamma(48) * np.abs(g).sum(0) + 1e-30)
+        _check("xla d(bias)", db_x, db_p, 2 * _gamma(rows) * np.abs(g).sum(0) + 1e-30)
     else:
         assert db_x is None and db_p is None
     ys_k, dx_k, dw_k, db_k = _grads(lambda x, w, b: qkv.projections(x, w, b, 3, dtype=BF16, impl="interpret"),
@@ -124,7 +129,7 @@ def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias):
     _check("kernel dx", np.asarray(dx_k).reshape(-1, 32), dx_truth, _gamma(96) * dx_abs + 1e-30)
     np.testing.assert_array_equal(np.asarray(dw_k), np.asarray(dw_p))
     if with_bias:
-        _check("kernel d(bias)", db_k, db_p, 2 * _gamma(48) * np.abs(g).sum(0) + 1e-30)
+        _check("kernel d(bias)", db_k, db_p, 2 * _gamma(rows) * np.abs(g).sum(0) + 1e-30)
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
