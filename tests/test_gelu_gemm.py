@@ -94,9 +94,9 @@ def test_backward_kernel_against_the_truth_and_xla(m, k, n, block):
 
 def test_kernels_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
-    with pytest.raises(gelu_gemm.GemmKernelError, match=r"x must be \(rows, d_in\).*reshape"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gelu_gemm.fc_gemm_gelu(x[None], w, b, interpret=True)
-    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32.*gelu: plain"):
         gelu_gemm.fc_gemm_gelu(x.astype(jnp.float32), w, b, interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(d_in, d_ff\)"):
         gelu_gemm.fc_gemm_gelu(x, w.T, b, interpret=True)
