@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
 
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
-LmHead = str  # Policy.lm_head: "plain" or "pallas"
+LmHead = Literal["plain", "pallas"]  # Policy.lm_head
 
 
 def _logits_lse_kernel(h_ref, w_ref, raw_ref, m_ref, s_ref, *, bk: int, bn: int, vocab_size: int):

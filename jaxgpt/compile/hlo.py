@@ -295,14 +295,9 @@ class Rollup:
             raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* and takes (M, K) "
                              f"and (K, N) (nn) or (N, K) (nt) operands first and writes (M, N) first, got {lhs}, {rhs} "
                              f"-> {out}")
-        gemm_bytes = lhs.bytes + rhs.bytes + out.bytes
-        gemm = dataclasses.replace(
-            kernel, flops=2.0 * out.elements * k, bytes=gemm_bytes, matmul_dtype=lhs.dtype,
-            category=categorize(ins, kernel.opcode, lhs.dtype),
-            gemm=_gemm_class("pallas", lhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1]))
-        epilogue = dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0,
-                                       bytes=kernel.bytes - gemm_bytes)
-        return [gemm, epilogue]
+        gemm = _gemm_class("pallas", lhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
+        return _gemm_and_epilogue(ins, kernel, 2.0 * out.elements * k, lhs.bytes + rhs.bytes + out.bytes, gemm,
+                                  lhs.dtype)
 
     def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
         """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
@@ -315,13 +310,9 @@ class Rollup:
                 or sum(a.dims[1] for a in lhs) != rhs.dims[1] or rhs.dims[0] != out.dims[1]:
             raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) takes (M, K_s) lhs blocks and an (N, sum K_s) "
                              f"rhs and writes (M, N), got {lhs}, {rhs} -> {out}")
-        gemm_bytes = sum(a.bytes for a in shapes) + out.bytes
-        gemm = dataclasses.replace(
-            kernel, flops=2.0 * out.elements * rhs.dims[1], bytes=gemm_bytes, matmul_dtype=rhs.dtype,
-            category=categorize(ins, kernel.opcode, rhs.dtype),
-            gemm=_gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [1]))
-        return [gemm, dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0,
-                                          bytes=kernel.bytes - gemm_bytes)]
+        gemm = _gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [1])
+        return _gemm_and_epilogue(ins, kernel, 2.0 * out.elements * rhs.dims[1],
+                                  sum(a.bytes for a in shapes) + out.bytes, gemm, rhs.dtype)
 
     def _fused_gemm(self, comp: str, out_dtype: str) -> str:
         """The class of the (first) dot inside a fused GEMM computation (a Triton GEMM fusion)."""
@@ -352,6 +343,15 @@ class Rollup:
             matmuls = 5 if "Backward" in target else 2  # fwd: QK^T, PV; bwd: QK^T again, dV, dP, dQ, dK
             return 2.0 * matmuls * pairs * d, q.dtype
         return 0.0, None
+
+
+def _gemm_and_epilogue(ins: Instr, kernel: Kernel, flops: float, gemm_bytes: float, gemm: str, dtype: str
+                       ) -> list[Kernel]:
+    """A Pallas GEMM kernel as its GEMM (``flops``, the GEMM's own ``gemm_bytes``, class ``gemm``) and its epilogue
+    (the rest of the kernel's bytes, no FLOPs)."""
+    return [dataclasses.replace(kernel, flops=flops, bytes=gemm_bytes, matmul_dtype=dtype, gemm=gemm,
+                                category=categorize(ins, kernel.opcode, dtype)),
+            dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0, bytes=kernel.bytes - gemm_bytes)]
 
 
 def pallas_name(ins: Instr) -> str:
