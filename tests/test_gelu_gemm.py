@@ -22,6 +22,7 @@ import pytest
 from jaxgpt import gelu, gelu_gemm, gemm, ops
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
+from tests import tiny_h100
 from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma, _truth
 from tests.tiny_training import tiny_adamw_losses
 
@@ -209,34 +210,24 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
     plain program's GEMM it replaces (the step's GEMM FLOPs are the plain step's) plus its epilogue's extra bytes;
     the GEMM part is priced at the least efficient measured GEMM rate, the epilogue at the least efficient fusion
     rate; no XLA fusion is left in gelu's scope but the reduction of the bias gradient's partial sums."""
-    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
-
-    if PLUGIN_PROBLEM is not None:
-        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
-    from jaxgpt.compile import calibrated, hlo
-
-    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("gelu=pallas-gemm",))
-    plain, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1])
-    ks, _ = hlo.kernels(cs.hlo_text())
-    kp, _ = hlo.kernels(plain.hlo_text())
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
     epilogues = [k for k in ks if k.name.endswith(" epilogue")]
     layers = cs.cfg.model.n_layer
     assert sorted(k.gemm for k in pallas) == ["pallas bf16->bf16 NT"] * layers + ["pallas bf16->f32 NN"] * layers
     assert len(epilogues) == 2 * layers and all(k.category == "GELU" and k.bytes > 0 for k in epilogues)
     assert {k.category for k in pallas} == {"matmuls fwd", "matmuls bwd"}
-    gemm_flops = lambda kernels: sum(k.flops * k.count for k in kernels if k.matmul_dtype)
     # equal but for the elementwise ops XLA fuses into its GEMMs (the plain program's bias add: rows x 128 per layer)
-    assert gemm_flops(ks) == pytest.approx(gemm_flops(kp), rel=1e-4)
+    assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kp), rel=1e-4)
     others = [k for k in ks if k.category == "GELU" and k not in epilogues]
     assert all(k.opcode == "kInput" and "transpose(" in k.op_name for k in others), others
-    cal = calibrated.for_target("h100-sxm")
-    worst = {kind: min((r for r in cal.rates.values() if r.kind == kind and r.efficiency() > 0),
-                       key=calibrated.Rate.efficiency) for kind in ("gemm", "fusion")}
-    assert all(cal.rate(k) == (worst["gemm"], False) for k in pallas)
-    assert all(cal.rate(k) == (worst["fusion"], False) for k in epilogues)
+    (cal, gemm_rate), (_, fusion_rate) = tiny_h100.slowest("gemm"), tiny_h100.slowest("fusion")
+    assert all(cal.rate(k) == (gemm_rate, False) for k in pallas)
+    assert all(cal.rate(k) == (fusion_rate, False) for k in epilogues)
     assert all(cal.rate(k)[1] for k in ks if k.gemm and k not in pallas)  # XLA's GEMMs: measured classes
-    from benchmarks.gpu import calibrate  # a trace times each kernel whole: no calibration is fitted on it
+    from benchmarks.gpu import (
+        calibrate,  # a trace times each kernel whole: no calibration is fitted on it
+    )
 
     with pytest.raises(ValueError, match="holds Pallas GEMMs.*default policy"):
         calibrate.fit([], cs.hlo_text(), 0.1, "h100-sxm", {})

@@ -20,6 +20,7 @@ import pytest
 from jaxgpt import gemm, ops, qkv
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
+from tests import tiny_h100
 from tests.test_gelu_gemm import BF16, SMALL, _f64, _fwd_inputs
 from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
 from tests.tiny_training import tiny_adamw_losses
@@ -167,26 +168,15 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts
     bf16 in the epilogue) and one backward (the input gradient of all three), each read as a GEMM at the least
     efficient measured GEMM rate, with the plain program's GEMM FLOPs in all; the convert passes in attention's scope
     are gone, and the step moves fewer bytes."""
-    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
-
-    if PLUGIN_PROBLEM is not None:
-        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
-    from jaxgpt.compile import calibrated, hlo
-
-    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("qkv=pallas",))
-    plain, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1])
-    ks, _ = hlo.kernels(cs.hlo_text())
-    kp, _ = hlo.kernels(plain.hlo_text())
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("qkv=pallas",))
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
     layers = cs.cfg.model.n_layer
     assert sorted(k.gemm for k in pallas) == ["pallas bf16->bf16 NN"] * 3 * layers + ["pallas bf16->f32 NT"] * layers
     assert sorted(k.category for k in pallas) == ["matmuls bwd"] * layers + ["matmuls fwd"] * 3 * layers
-    gemm_flops = lambda kernels: sum(k.flops * k.count for k in kernels if k.matmul_dtype)
-    assert gemm_flops(ks) == pytest.approx(gemm_flops(kp), rel=1e-4)  # but XLA's fused elementwise ops
+    # equal but for the elementwise ops XLA fuses into its GEMMs
+    assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kp), rel=1e-4)
     assert [k for k in kp if k.category == "attention: casts, layout"]
     assert not [k for k in ks if k.category == "attention: casts, layout"]
     assert sum(k.bytes * k.count for k in ks) < sum(k.bytes * k.count for k in kp)
-    cal = calibrated.for_target("h100-sxm")
-    worst = min((r for r in cal.rates.values() if r.kind == "gemm" and r.efficiency() > 0),
-                key=calibrated.Rate.efficiency)
+    cal, worst = tiny_h100.slowest("gemm")
     assert all(cal.rate(k) == (worst, False) for k in pallas)

@@ -20,6 +20,7 @@ import pytest
 from jaxgpt import fused_loss, gemm, ops
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
+from tests import tiny_h100
 from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
 from tests.test_loss_logits import _gpus
 
@@ -153,17 +154,8 @@ def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduct
     """The tiny step compiled for the H100 under lm_head=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
     scope, read as a GEMM with the logits GEMM's FLOPs at the least efficient measured GEMM rate; the reduction pass
     over each chunk's logits is gone (what reads them is the gradient's pass alone)."""
-    from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
-
-    if PLUGIN_PROBLEM is not None:
-        pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
-    from jaxgpt.compile import calibrated, hlo
-
-    sets = TINY_BF16[1] + ("logits_dtype=bfloat16", "model.padded_vocab_size=50304")
-    cs, _ = _compiled(TINY_BF16[0], None, 1, sets + ("lm_head=pallas",))
-    plain, _ = _compiled(TINY_BF16[0], None, 1, sets)
-    ks, _ = hlo.kernels(cs.hlo_text())
-    kp, _ = hlo.kernels(plain.hlo_text())
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("lm_head=pallas",),
+                                                base=("logits_dtype=bfloat16", "model.padded_vocab_size=50304"))
     loss = lambda kernels: [k for k in kernels if k.category == "lm_head + cross-entropy"]
     pallas = [k for k in loss(ks) if k.gemm.startswith("pallas")]
     assert [k.gemm for k in pallas] == ["pallas bf16->bf16 NT"]
@@ -174,7 +166,5 @@ def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduct
     logits_bytes = chunk_rows * 50304 * 2  # a pass over a chunk's bf16 logits reads at least this
     reads = lambda kernels: [k for k in loss(kernels) if not k.gemm and k.bytes >= 0.9 * logits_bytes]
     assert len(reads(ks)) == len(reads(kp)) - 1, (reads(ks), reads(kp))  # the max / sum-of-exp pass is gone
-    cal = calibrated.for_target("h100-sxm")
-    worst = min((r for r in cal.rates.values() if r.kind == "gemm" and r.efficiency() > 0),
-                key=calibrated.Rate.efficiency)
+    cal, worst = tiny_h100.slowest("gemm")
     assert cal.rate(pallas[0]) == (worst, False)
