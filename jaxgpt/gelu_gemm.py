@@ -24,6 +24,11 @@ hand the GEMMs a bf16 ``dh`` without a round trip). ``dx``, ``dW_fc`` and ``dW_p
 tests run the kernels in Pallas' interpreter. Shapes that are not multiples of the blocks are zero-padded (zero
 rows and columns add nothing to the kept parts or to the sums); GPT-2's never are.
 
+Under ``Policy.c_proj = "pallas"`` (``fold=True``) the VJP owns c_proj's bias as well, and the input-gradient GEMM
+reads c_proj's fp32 output gradient itself (rounding it to bf16 as it reads it, as XLA's convert did) and writes
+that rounding and the gradient's column sums: the weight-gradient GEMM and the bias gradient read those, and XLA's
+pass that read the fp32 gradient back to make them (302 MB per layer at gpt2 b64) is gone.
+
 The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.gemm`'s.
 """
 
@@ -49,12 +54,26 @@ def _fwd_kernel(x_ref, w_ref, b_ref, h_ref, y_ref, *, bk: int):
     y_ref[...] = jax.nn.gelu(h, approximate=True).astype(y_ref.dtype)
 
 
-def _bwd_kernel(g_ref, w_ref, h_ref, dh_ref, db_ref, *, bk: int):
+def _bwd_kernel(g_ref, w_ref, h_ref, dh_ref, db_ref, *g_refs, bk: int):
     """One (bm, bn) tile: dh = (g @ w^T) * gelu'(h), the GEMM accumulated in fp32; dh written in dh_ref's dtype,
-    its fp32 column sums into db_ref."""
+    its fp32 column sums into db_ref. With ``g_refs`` (an fp32 g, rounded to w's dtype as it is read): the first
+    column tile's programs also write their rows of g rounded and g's fp32 column sums (c_proj's backward GEMM
+    operand and its bias gradient's partial sums)."""
+    from jax.experimental import pallas as pl
+
     dh = gemm.accumulate(g_ref, w_ref, bk=bk, trans_b=True) * gelu.gelu_grad(h_ref[...])
     dh_ref[...] = dh.astype(dh_ref.dtype)
     db_ref[...] = dh.sum(axis=0, keepdims=True)
+    if not g_refs:
+        return
+    gc_ref, gs_ref = g_refs
+
+    @pl.when(pl.program_id(0) == 0)  # the row block's other column tiles read the same g: one program writes it
+    def _():
+        for c in range(0, g_ref.shape[1], bk):
+            g = g_ref[:, pl.ds(c, bk)]
+            gc_ref[:, pl.ds(c, bk)] = g.astype(gc_ref.dtype)
+            gs_ref[:, pl.ds(c, bk)] = g.sum(axis=0, keepdims=True)
 
 
 def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: Float[Array, " d_ff"] | None, *,
@@ -89,15 +108,20 @@ def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: 
 
 def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff d_out"], h: Float[Array, "rows d_ff"],
                             *, interpret: bool = False, block: tuple[int, int, int] | None = None
-                            ) -> tuple[Float[Array, "rows d_ff"], Float[Array, "row_blocks d_ff"]]:
+                            ) -> tuple[Float[Array, "rows d_ff"], ...]:
     """``(dh, partial_sums)``: ``dh = (g @ w^T) * gelu'(h)`` with bf16 ``g`` and ``w`` (c_proj's output gradient and
     kernel, stored (d_ff, d_out)) and fp32 accumulation, rounded to bf16, and the fp32 column sums of the unrounded
-    ``dh`` per block of rows (their sum is c_fc's bias gradient), as one Pallas Triton GEMM."""
+    ``dh`` per block of rows (their sum is c_fc's bias gradient), as one Pallas Triton GEMM.
+
+    An fp32 ``g`` (``Policy.c_proj = "pallas"``) is rounded to bf16 as the kernel reads it, and two more results come
+    out: ``g`` rounded to bf16 (what c_proj's weight-gradient GEMM reads) and g's fp32 column sums per block of rows
+    (c_proj's bias gradient): XLA's pass that reads the fp32 g to make them is gone."""
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32
-    gemm.check("proj_gemm_gelu_backward", {"g": (g, bf16, "(rows, d_out)"), "w": (w, bf16, "(d_ff, d_out)"),
-                                            "h": (h, f32, "(rows, d_ff)")}, FIX)
+    wide = getattr(g, "dtype", None) == f32
+    gemm.check("proj_gemm_gelu_backward", {"g": (g, f32 if wide else bf16, "(rows, d_out)"),
+                                            "w": (w, bf16, "(d_ff, d_out)"), "h": (h, f32, "(rows, d_ff)")}, FIX)
     (m, k), n = g.shape, w.shape[0]
     if w.shape[1] != k or h.shape != (m, n):
         raise GemmKernelError(f"proj_gemm_gelu_backward: g {tuple(g.shape)}, w {tuple(w.shape)} and h "
@@ -105,15 +129,19 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
     bm, bn, bk = gemm.blocks(m, n, k, block)
     gp, wp, hp = gemm.pad_to(g, bm, bk), gemm.pad_to(w, bn, bk), gemm.pad_to(h, bm, bn)
     (mp, kp), np_ = gp.shape, wp.shape[0]
-    dh, sums = pl.pallas_call(
+    g_outs = ((jax.ShapeDtypeStruct((mp, kp), bf16), jax.ShapeDtypeStruct((mp // bm, kp), f32)) if wide else ())
+    dh, sums, *g_parts = pl.pallas_call(
         partial(_bwd_kernel, bk=bk),
-        out_shape=(jax.ShapeDtypeStruct((mp, np_), bf16), jax.ShapeDtypeStruct((mp // bm, np_), f32)),
+        out_shape=(jax.ShapeDtypeStruct((mp, np_), bf16), jax.ShapeDtypeStruct((mp // bm, np_), f32), *g_outs),
         grid=gemm.grid(mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((bn, kp), lambda j, i: (j, 0)),
                   pl.BlockSpec((bm, bn), lambda j, i: (i, j))],
-        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)), pl.BlockSpec((1, bn), lambda j, i: (i, j))),
+        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)), pl.BlockSpec((1, bn), lambda j, i: (i, j)),
+                   *((pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((1, kp), lambda j, i: (i, 0)))
+                     if wide else ())),
         interpret=interpret, name="gemm_nt_gelu_backward", **gemm.compiler_params(interpret))(gp, wp, hp)
-    return (dh[:m, :n], sums[:, :n]) if (mp, np_) != (m, n) else (dh, sums)
+    out = (dh[:m, :n], sums[:, :n]) if (mp, np_) != (m, n) else (dh, sums)
+    return out + (g_parts[0][:m, :k], g_parts[1][:, :k]) if wide else out
 
 
 def _resolve(impl: Impl, dtype) -> Impl:
@@ -133,33 +161,45 @@ def _forward(xc, wfc, b, dtype, precision, impl):
         return fc_gemm_gelu(xc, wfc, b, interpret=impl == "interpret")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _mlp(x, w_fc, b_fc, w_proj, dtype, precision, out, impl):
-    return _mlp_fwd(x, w_fc, b_fc, w_proj, dtype, precision, out, impl)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _mlp(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold):
+    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold)[0]
 
 
-def _mlp_fwd(x, w_fc, b_fc, w_proj, dtype, precision, out, impl):
+def _like(a):
+    return None if a is None else jnp.zeros((), a.dtype)
+
+
+def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold):
     xc, wfc, wpc = x.astype(dtype), w_fc.astype(dtype), w_proj.astype(dtype)
     h, y = _forward(xc, wfc, b_fc, dtype, precision, _resolve(impl, dtype))
     m = ops._dot(y, wpc, dtype, precision, out)  # c_proj, as ops._matmul2d_fwd
-    return m, (xc, wfc, wpc, h, y, jnp.zeros((), x.dtype), None if b_fc is None else jnp.zeros((), b_fc.dtype))
+    if fold and b_proj is not None:  # c_proj's bias, as Linear adds it
+        m = m + b_proj
+    return m, (xc, wfc, wpc, h, y, jnp.zeros((), x.dtype), _like(b_fc), _like(b_proj))
 
 
-def _mlp_bwd(dtype, precision, out, impl, res, dm):
-    xc, wfc, wpc, h, y, x_like, b_like = res
-    gc = dm.astype(dtype)
-    dw_proj = ops._dot(ops.transpose_operand(y), gc, dtype, precision)  # as ops._matmul2d_bwd: fp32
+def _mlp_bwd(dtype, precision, out, impl, fold, res, dm):
+    xc, wfc, wpc, h, y, x_like, b_like, bp_like = res
+    impl = _resolve(impl, dtype)
+    gc = dm.astype(dtype) if impl == "xla" or not fold else None
     with jax.named_scope(SCOPE):
-        impl = _resolve(impl, dtype)
         if impl == "xla":
             g = ops._dot(gc, ops.transpose_operand(wpc), dtype, precision, out)
             dh, sums = gelu.gelu_backward_xla(g, h, out_dtype=dtype)
+        elif fold:  # the kernel rounds dm as it reads it and writes the rounding and dm's column sums
+            dh, sums, gc, dm_sums = proj_gemm_gelu_backward(dm.astype(jnp.float32), wpc, h,
+                                                            interpret=impl == "interpret")
         else:
             dh, sums = proj_gemm_gelu_backward(gc, wpc, h, interpret=impl == "interpret")
         db = None if b_like is None else sums.sum(axis=0).astype(b_like.dtype)
+    dw_proj = ops._dot(ops.transpose_operand(y), gc, dtype, precision)  # as ops._matmul2d_bwd: fp32
+    db_proj = None
+    if fold and bp_like is not None:  # autodiff of Linear's bias add: the sum of dm over rows
+        db_proj = (dm.sum(axis=0) if impl == "xla" else dm_sums.sum(axis=0)).astype(bp_like.dtype)
     dx = ops._dot(dh, ops.transpose_operand(wfc), dtype, precision, out)
     dw_fc = ops._dot(ops.transpose_operand(xc), dh, dtype, precision)
-    return dx.astype(x_like.dtype), dw_fc, db, dw_proj
+    return dx.astype(x_like.dtype), dw_fc, db, dw_proj, db_proj
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -167,16 +207,25 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Float[Array, " d_ff"] | None,
         w_proj: Float[Array, "d_ff d_in"], *, dtype=jnp.bfloat16, precision=None, out_dtype=jnp.float32,
-        impl: Impl = "auto") -> Float[Array, "... d_in"]:
+        impl: Impl = "auto", b_proj: Float[Array, " d_in"] | None = None, fold: bool = False
+        ) -> Float[Array, "... d_in"]:
     """``gelu(x @ w_fc + b_fc) @ w_proj`` without c_proj's bias (the caller adds it, as Linear does): operands in
     ``dtype``, fp32 accumulation, GELU in fp32 rounded to ``dtype`` as c_proj's operand, the result and the
     backward's ``dx`` in fp32 (the default policies' GEMM output). ``impl``: "kernel" (the two Pallas Triton GEMMs:
     GPUs, bf16 operands), "interpret" (the same kernels in Pallas' interpreter), "xla" (XLA's GEMMs and the plain
-    expressions), "auto" (the kernels on GPUs with bf16 operands, XLA elsewhere: :func:`jaxgpt.ops.platform`)."""
+    expressions), "auto" (the kernels on GPUs with bf16 operands, XLA elsewhere: :func:`jaxgpt.ops.platform`).
+
+    ``fold`` (``Policy.c_proj = "pallas"``): c_proj's bias ``b_proj`` is added here, and on the kernel path c_proj's
+    input-gradient GEMM reads the fp32 output gradient itself, rounding it as it reads it, and writes the rounded
+    copy (the weight-gradient GEMM's operand) and the bias gradient's partial sums: XLA's pass that reads the fp32
+    gradient back for them is gone. The same values but for the order of the bias gradient's sum."""
+    if b_proj is not None and not fold:
+        raise GemmKernelError("gelu_gemm.mlp adds c_proj's bias only with fold=True (else the caller adds it)")
     gemm.resolve(impl, dtype)  # refuses an unknown impl
     if jnp.dtype(out_dtype) != jnp.float32:
         raise GemmKernelError(f"gelu_gemm.mlp keeps the GEMMs' fp32 outputs (gemm_output float32), got out_dtype "
                               f"{jnp.dtype(out_dtype).name}: use gelu: plain with that policy")
     lead = x.shape[:-1]
-    m = _mlp(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, jnp.dtype(dtype), precision, jnp.dtype(out_dtype), impl)
+    m = _mlp(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, jnp.dtype(dtype), precision,
+             jnp.dtype(out_dtype), impl, bool(fold))
     return m.reshape(*lead, w_proj.shape[-1])

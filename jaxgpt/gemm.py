@@ -86,7 +86,8 @@ def accumulate(a_ref, b_ref, *, bk: int, trans_b: bool = False, b_offset: int = 
                ) -> jax.Array:
     """Inside a kernel: ``a_ref @ b_ref`` (or ``a_ref @ b_ref.T``) of the program's blocks, (bm, K) by (K, bn) (or
     (bn, K)), accumulated in fp32 over K in steps of ``bk``, onto ``acc`` (zeros if None). ``b_offset``: where
-    a_ref's K starts along b_ref's (a_ref one of several lhs blocks that split K)."""
+    a_ref's K starts along b_ref's (a_ref one of several lhs blocks that split K). An lhs wider than the rhs (an fp32
+    gradient) is rounded to the rhs's dtype as it is read, as XLA's convert before its GEMM rounds it."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -95,7 +96,7 @@ def accumulate(a_ref, b_ref, *, bk: int, trans_b: bool = False, b_offset: int = 
     def step(i, acc):
         at, bt = pl.ds(i * bk, bk), pl.ds(b_offset + i * bk, bk)
         rhs = b_ref[:, bt] if trans_b else b_ref[bt, :]
-        return acc + plgpu.dot(a_ref[:, at], rhs, trans_b=trans_b)
+        return acc + plgpu.dot(a_ref[:, at].astype(b_ref.dtype), rhs, trans_b=trans_b)
 
     rows, cols = a_ref.shape[0], b_ref.shape[0] if trans_b else b_ref.shape[1]
     return jax.lax.fori_loop(0, k // bk, step, jnp.zeros((rows, cols), jnp.float32) if acc is None else acc)

@@ -13,6 +13,7 @@ Dtypes are decided by one :class:`~jaxgpt.precision.Policy` passed in at constru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -147,6 +148,19 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
     return policy.einsum("bhts,bhsd->bthd", probs, v)
 
 
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    """A Linear's output not computed yet (``Policy.c_proj = "pallas"``): its input and the layer.
+    :meth:`LayerNorm.branch` computes it inside its kernels' custom VJP (jaxgpt.norm's ``proj``); calling it computes
+    ``layer(x)``."""
+
+    x: Float[Array, "... d_in"]
+    layer: Linear
+
+    def __call__(self) -> Float[Array, "... d_out"]:
+        return self.layer(self.x)
+
+
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
     Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with
@@ -176,13 +190,19 @@ class LayerNorm(nnx.Module):
             y = y + self.bias[...] if self.bias is not None else y
             return y.reshape(*lead, x.shape[-1])
 
-    def branch(self, x: Float[Array, "... embed"], copies: int = 1, add: Float[Array, "... embed"] | None = None
-               ) -> tuple[Float[Array, "... embed"], ...]:
+    def branch(self, x: Float[Array, "... embed"], copies: int = 1,
+               add: Float[Array, "... embed"] | Projection | None = None) -> tuple[Float[Array, "... embed"], ...]:
         """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it, of ``x + add`` if ``add``
         is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.norm) whose forward makes the
         sum and ln(x) in one pass on GPUs, and whose backward also adds x's residual gradient and sums the copies'
-        gradients itself."""
-        if self.impl != "pallas" or x.dtype != jnp.float32:
+        gradients itself. ``add`` may be a :class:`Projection` (the attention's c_proj under ``Policy.c_proj =
+        "pallas"``): under "pallas" the VJP then computes it too, and its backward kernel writes what the projection's
+        backward reads (its bf16 output gradient, its bias gradient's partial sums)."""
+        kernels = self.impl == "pallas" and x.dtype == jnp.float32
+        proj = add if isinstance(add, Projection) and kernels else None
+        if isinstance(add, Projection):
+            add = None if kernels else add()
+        if not kernels:
             x = x if add is None else x + add
             return (x,) + (self(x),) * copies
         if add is not None and add.dtype != jnp.float32:  # a bf16 branch (autocast's c_proj without a bias): XLA adds
@@ -190,8 +210,16 @@ class LayerNorm(nnx.Module):
         with jax.named_scope("layer_norm"):
             bias = self.bias[...] if self.bias is not None else None
             rows = (-1, x.shape[-1])
-            x_out, *ys = norm.layer_norm_branch(x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies,
-                                                add=None if add is None else add.reshape(rows), dtype=self.gemm_dtype)
+            if proj is None:
+                x_out, *ys = norm.layer_norm_branch(x.reshape(rows), self.scale[...], bias, eps=self.eps,
+                                                    copies=copies, add=None if add is None else add.reshape(rows),
+                                                    dtype=self.gemm_dtype)
+            else:
+                layer = proj.layer
+                x_out, *ys = norm.layer_norm_branch(
+                    x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies, dtype=layer.policy.dtype,
+                    proj=(proj.x.reshape(-1, proj.x.shape[-1]), layer.kernel[...],
+                          None if layer.bias is None else layer.bias[...]), precision=layer.policy.lax_precision)
             return (x_out.reshape(x.shape), *(y.reshape(x.shape) for y in ys))
 
 
@@ -210,6 +238,10 @@ class Linear(nnx.Module):
     def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
         y = self.policy.matmul(x, self.kernel[...], gemm=self.gemm)  # fp32 accumulation
         return y + self.bias[...] if self.bias is not None else y
+
+    def deferred(self, x: Float[Array, "... d_in"]) -> Projection:
+        """``self(x)``, to be computed by the LayerNorm branch that adds it to the residual stream (:class:`Projection`)."""
+        return Projection(x, self)
 
     def split(self, x: Float[Array, "... d_in"] | Sequence[Float[Array, "... d_in"]], n: int
               ) -> list[Float[Array, "... d_out/n"]]:
@@ -287,6 +319,8 @@ class CausalSelfAttention(nnx.Module):
             with jax.named_scope("attention"):
                 y = attention(q, k, v, policy=self.policy, dropout_rate=self.dropout, dropout_key=attn_key)
         y = rearrange(y, "b t h d -> b t (h d)")  # re-assemble the heads side by side
+        if self.policy.c_proj == "pallas" and cache is None and (resid_key is None or self.dropout == 0.0):
+            return self.c_proj.deferred(y), cache  # ln_2's kernels compute it (LayerNorm.branch)
         return dropout(self.c_proj(y), self.dropout, resid_key), cache
 
 
@@ -323,9 +357,12 @@ class MLP(nnx.Module):
         """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"); c_proj's bias added
         here, as Linear adds it."""
         fc, proj, p = self.c_fc, self.c_proj, self.c_fc.policy
+        fold = p.c_proj == "pallas"  # c_proj's bias and its gradient's rounding and sum in the GEMMs too
+        bias = None if proj.bias is None else proj.bias[...]
         y = gelu_gemm.mlp(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], proj.kernel[...],
-                          dtype=p.dtype, precision=p.lax_precision, out_dtype=p.out_dtype)
-        return y + proj.bias[...] if proj.bias is not None else y
+                          dtype=p.dtype, precision=p.lax_precision, out_dtype=p.out_dtype,
+                          b_proj=bias if fold else None, fold=fold)
+        return y + bias if bias is not None and not fold else y
 
 
 def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Array, "... d"]:

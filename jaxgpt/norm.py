@@ -150,15 +150,17 @@ def _tile(first: int, sub: int, rows: int, col, col_ok):
     return row, row_ok, row_ok[:, None] & col_ok[None, :], (row[:, None], col[None, :])
 
 
-def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int):
+def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: bool):
     """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
     ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
     (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref. ``refs``: the ``n_dy``
-    parts of dy (summed here, in fp32), then the residual gradient, mean, rstd, scale, dx, ds and db."""
+    parts of dy (summed here, in fp32), then the residual gradient, mean, rstd, scale, dx, ds and db; with ``cast``
+    two more outputs: dx rounded to the GEMMs' dtype and the rows' fp32 column sums of dx (a projection's output
+    gradient and its bias gradient's partial sums, :func:`layer_norm_branch`'s ``proj``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    dy_refs, (dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref) = refs[:n_dy], refs[n_dy:]
+    dy_refs, (dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *cast_refs) = refs[:n_dy], refs[n_dy:]
     rows, cols = x_ref.shape
     i = pl.program_id(0)
     col = jnp.arange(width)
@@ -180,12 +182,17 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int):
         c2 = g.sum(axis=1, keepdims=True) / cols
         dx = (g - c2 - x_hat * c1) * rstd + dres
         plgpu.store(dx_ref.at[at], dx.astype(dx_ref.dtype), mask=ok)
-        return acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0)
+        acc = (acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0), *acc[2:])
+        if not cast:
+            return acc
+        # the projection's: XLA would read dx back to round it and sum it (c_proj's bias gradient) in a pass
+        plgpu.store(cast_refs[0].at[at], dx.astype(cast_refs[0].dtype), mask=ok)
+        return acc[:2] + (acc[2] + jnp.where(ok, dx, 0.0).sum(axis=0),)  # padded columns of dx are not 0
 
     zero = jnp.zeros((width,), jnp.float32)
-    d_scale, d_bias = jax.lax.fori_loop(0, block // sub, step, (zero, zero))
-    plgpu.store(ds_ref.at[i, col], d_scale, mask=col_ok)
-    plgpu.store(db_ref.at[i, col], d_bias, mask=col_ok)
+    sums = jax.lax.fori_loop(0, block // sub, step, (zero,) * (3 if cast else 2))
+    for ref, total in zip((ds_ref, db_ref, *cast_refs[1:]), sums, strict=True):
+        plgpu.store(ref.at[i, col], total, mask=col_ok)
 
 
 def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
@@ -208,15 +215,18 @@ def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
 def layer_norm_backward(x: Float[Array, "rows embed"],
                         dy: Float[Array, "rows embed"] | Sequence[Float[Array, "rows embed"]],
                         dres: Float[Array, "rows embed"], mean: Float[Array, "rows 1"], rstd: Float[Array, "rows 1"],
-                        scale: Float[Array, " embed"], *, interpret: bool = False
-                        ) -> tuple[Float[Array, "rows embed"], Float[Array, "row_blocks embed"],
-                                   Float[Array, "row_blocks embed"]]:
+                        scale: Float[Array, " embed"], *, cast=None, interpret: bool = False
+                        ) -> tuple[Float[Array, "rows embed"], ...]:
     """``(dres + dx, d_scale_partials, d_bias_partials)`` of the LayerNorm whose forward saved ``mean`` and ``rstd``,
     as one Pallas Triton kernel (``interpret=True``: Pallas' interpreter, on any backend): ``dx = rstd * (g - mean(g)
     - x_hat * mean(g * x_hat))`` with ``g = dy * scale``, and per block of :data:`BLOCK_ROWS` rows the fp32 column
     sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). ``dy`` may be a sequence of parts
     (the input gradients of the GEMMs that read the LayerNorm's output), summed in the kernel in fp32 in that order.
-    Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory."""
+    Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory.
+
+    ``cast`` (a dtype): two more results, ``dres + dx`` rounded to it and its fp32 column sums per block of rows:
+    what a GEMM that produced the branch needs for its backward (its bf16 output gradient and its bias gradient's
+    partial sums), written from the same fp32 values, so XLA does not read them back in a pass of its own."""
     from jax.experimental import pallas as pl  # here, not at import: Pallas adds ~0.2-0.3 s to `import jaxgpt.model`
     from jax.experimental.pallas import triton as plgpu
 
@@ -226,10 +236,12 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     block = min(BLOCK_ROWS, max(SUB_ROWS, _next_pow2(rows)))
     n = -(-rows // block)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
+    partials = jax.ShapeDtypeStruct((n, cols), jnp.float32)
+    casts = () if cast is None else (jax.ShapeDtypeStruct(x.shape, jnp.dtype(cast)), partials)
     return pl.pallas_call(
-        partial(_kernel, n_dy=len(dys), block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols))),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                   *[jax.ShapeDtypeStruct((n, cols), jnp.float32)] * 2),
+        partial(_kernel, n_dy=len(dys), block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols)),
+                cast=cast is not None),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32), partials, partials, *casts),
         grid=(n,), interpret=interpret, name="layer_norm_backward_residual", **kwargs,
     )(x, *dys, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
 
@@ -309,13 +321,42 @@ def _resolve(backward: Backward) -> Backward:
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _branch(x, add, scale, bias, eps, backward, copies, dtype):
-    return _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype)[0]  # without gradients: the same kernels
+Projection = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
 
 
-def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _branch(x, add, proj, scale, bias, eps, backward, copies, dtype, precision):
+    # without gradients: the same kernels
+    return _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision)[0]
+
+
+def _project(proj: Projection, dtype, precision):
+    """The projection's output as :class:`jaxgpt.model.Linear` computes it (jaxgpt.ops.matmul: operands in ``dtype``,
+    fp32 result; then the bias) and what its backward keeps: the operands in ``dtype`` and the dtypes of y and b."""
+    y, w, b = proj
+    yc, wc = y.astype(dtype), w.astype(dtype)
+    out = ops._dot(yc, wc, dtype, precision)
+    out = out if b is None else out + b
+    return out, (yc, wc, jnp.zeros((), y.dtype), None if b is None else jnp.zeros((), b.dtype))
+
+
+def _project_bwd(saved, dx, dx_cast, dx_sums, dtype, precision):
+    """(dy, dw, db) of the projection from its output gradient ``dx`` (fp32), as jaxgpt.ops.matmul's backward and
+    autodiff of the bias add make them, from the kernel's rounded copy and column sums of dx where it wrote them."""
+    yc, wc, y_like, b_like = saved
+    gc = dx.astype(dtype) if dx_cast is None else dx_cast
+    dw = ops._dot(ops.transpose_operand(yc), gc, dtype, precision)
+    dy = ops._dot(gc, ops.transpose_operand(wc), dtype, precision).astype(y_like.dtype)
+    if b_like is None:
+        return dy, dw, None
+    return dy, dw, (dx.sum(axis=0) if dx_sums is None else dx_sums.sum(axis=0)).astype(b_like.dtype)
+
+
+def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision):
     had_add = None if add is None else jnp.zeros((), jnp.float32)  # a residual: whether add's gradient is due
+    saved_proj = None
+    if proj is not None:  # the projection's GEMM is XLA's, as Linear's: only its backward's inputs change hands
+        add, saved_proj = _project(proj, dtype, precision)
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":
             x = x if add is None else x + add
@@ -324,27 +365,30 @@ def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype):
             x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
                                                   interpret=_resolve(backward) == "interpret")
             y = y.astype(jnp.float32)
-    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, had_add)
+    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, had_add, saved_proj)
 
 
-def _branch_bwd(eps, backward, copies, dtype, res, cotangents):
-    del eps, copies, dtype  # eps: inside rstd; copies: the cotangents' count; dtype: the forward kernel's only
+def _branch_bwd(eps, backward, copies, dtype, precision, res, cotangents):
+    del eps, copies  # eps: inside rstd; copies: the cotangents' count
     d_x_out, *dys = cotangents
-    x, mean, rstd, scale, bias, had_add = res
+    x, mean, rstd, scale, bias, had_add, saved_proj = res
     res = res[:5]
+    cast = sums = None
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
             dy = sum(dys[1:], dys[0])  # what autodiff would have added before the VJP, in the same order
             dx, d_scale, d_bias = _backward_xla(*res, dy)
             dx = d_x_out.astype(x.dtype) + dx
         else:
-            dx, ds, db = layer_norm_backward(x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype)
-                                                 for dy in dys],
-                                             d_x_out.astype(x.dtype), mean, rstd, scale,
-                                             interpret=_resolve(backward) == "interpret")
+            dx, ds, db, *extra = layer_norm_backward(
+                x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys], d_x_out.astype(x.dtype),
+                mean, rstd, scale, cast=None if saved_proj is None else dtype,
+                interpret=_resolve(backward) == "interpret")
+            cast, sums = extra or (None, None)
             d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
                 bias.dtype)
-        return dx, None if had_add is None else dx, d_scale, d_bias
+    d_proj = None if saved_proj is None else _project_bwd(saved_proj, dx, cast, sums, dtype, precision)
+    return dx, None if had_add is None else dx, d_proj, d_scale, d_bias
 
 
 _branch.defvjp(_branch_fwd, _branch_bwd)
@@ -352,8 +396,8 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
                       bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
-                      copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32
-                      ) -> tuple[Float[Array, "rows embed"], ...]:
+                      copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32,
+                      proj: Projection | None = None, precision=None) -> tuple[Float[Array, "rows embed"], ...]:
     """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
     "kernel" (:func:`layer_norm_backward`, and :func:`layer_norm_forward` for the forward: GPUs), "interpret"
@@ -370,7 +414,14 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     ``copies``: how many GEMMs read layer_norm(x). The result is ``(x, y_1, ..., y_copies)``, the same y each time;
     given one copy per GEMM, the backward gets each GEMM's input gradient apart and the kernel sums them as it reads
     them (on GPUs the attention's q, k and v projections are three GEMMs: their three fp32 input gradients were
-    added by an XLA pass of their own, 0.8 GB moved per layer at gpt2 b64)."""
+    added by an XLA pass of their own, 0.8 GB moved per layer at gpt2 b64).
+
+    ``proj``: ``(y, w, b)``, the branch as a Linear's input, kernel and bias (or None) instead of ``add``: ``add = y @ w
+    + b`` is computed here, as :class:`jaxgpt.model.Linear` computes it (operands in ``dtype``, ``precision``, fp32
+    result, then the bias), and the backward kernel also writes the projection's output gradient in ``dtype`` and
+    its column sums, so that its backward GEMMs and bias gradient read them, not an XLA pass that reads the fp32
+    gradient back to round and sum it (``Policy.c_proj = "pallas"``: the attention's c_proj, 0.3 GB per layer at
+    gpt2 b64). The same values as ``add=`` with the Linear's output, but for the order of the bias gradient's sum."""
     if backward not in ("auto", "kernel", "interpret", "xla"):
         raise LayerNormKernelError(f"layer_norm_branch: backward = {backward!r}: allowed values are 'auto', 'kernel', "
                                    "'interpret', 'xla'")
@@ -382,4 +433,23 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
         raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream) and an optional float32 "
                                    f"add of its shape, got {x.dtype} {tuple(x.shape)} and "
                                    f"{None if add is None else (str(add.dtype), tuple(add.shape))}")
-    return _branch(x, add, scale, bias, float(eps), backward, copies, jnp.dtype(dtype))
+    if proj is not None:
+        _check_proj(x, add, proj)
+    return _branch(x, add, None if proj is None else tuple(proj), scale, bias, float(eps), backward, copies,
+                   jnp.dtype(dtype), precision)
+
+
+def _check_proj(x, add, proj) -> None:
+    if add is not None:
+        raise LayerNormKernelError("layer_norm_branch takes a branch as add= or as proj=, not both")
+    try:
+        y, w, b = proj
+    except (TypeError, ValueError):
+        raise LayerNormKernelError("layer_norm_branch: proj is (y, w, b): a Linear's input (rows, d_in), kernel "
+                                   "(d_in, embed) and bias (embed,) or None") from None
+    shapes = [tuple(getattr(a, "shape", ())) for a in (y, w)]
+    if len(shapes[0]) != 2 or shapes[0][0] != x.shape[0] or shapes[1] != (shapes[0][1], x.shape[1]) or (
+            b is not None and tuple(b.shape) != (x.shape[1],)):
+        raise LayerNormKernelError(f"layer_norm_branch: proj's y {shapes[0]}, w {shapes[1]} and b "
+                                   f"{None if b is None else tuple(b.shape)} do not make x's {tuple(x.shape)}: want "
+                                   f"(rows, d_in), (d_in, {x.shape[1]}), ({x.shape[1]},)")

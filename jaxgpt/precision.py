@@ -70,6 +70,12 @@ class Policy:
     # and each tile's row max and sum of exp: no such pass; the same numbers but for the order of the sum). Needs
     # logits_dtype bfloat16 and no fp8 lm_head; bf16 compute on GPUs, the plain path elsewhere
     lm_head: Literal["plain", "pallas"] = "plain"
+    # the attention's c_proj (jaxgpt.norm.layer_norm_branch's proj): "plain" (its output is added to the residual
+    # stream by ln_2's kernel; on GPUs an XLA pass reads that sum's fp32 gradient back to round it to bf16 for c_proj's
+    # backward GEMMs and to sum it for its bias gradient) or "pallas" (ln_2's backward kernel writes the rounded copy
+    # and the sum's partials itself: the same values but for the order of the bias gradient's sum). Needs layer_norm
+    # pallas, gemm_output float32, fast_kernels and no fp8 on the attention's GEMMs
+    c_proj: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
@@ -121,6 +127,14 @@ class Policy:
             raise ConfigError(f"Policy.lm_head = 'pallas' writes the fused loss's logits in bf16 (got logits_dtype "
                               f"{self.logits_dtype!r}, fp8 {self.fp8!r}, fast_kernels {self.fast_kernels}): set "
                               "logits_dtype: bfloat16 (and no fp8 lm_head), or lm_head: plain")
+        if self.c_proj not in ("plain", "pallas"):
+            raise ConfigError(f"Policy.c_proj = {self.c_proj!r}: allowed values are 'plain', 'pallas'")
+        if self.c_proj == "pallas" and (self.layer_norm != "pallas" or self.gemm_output != "float32"
+                                        or self.fp8_on("attn") or not self.fast_kernels):
+            raise ConfigError(f"Policy.c_proj = 'pallas' hands the attention's c_proj to ln_2's Pallas kernels with the "
+                              f"default numerics; got layer_norm {self.layer_norm!r}, gemm_output {self.gemm_output!r}, "
+                              f"fp8 {self.fp8!r}, fast_kernels {self.fast_kernels}: set layer_norm: pallas (with "
+                              "precision bf16 or fp32, no fp8 attention GEMMs), or c_proj: plain")
         if self.gelu != "plain" and (self.gemm_output != "float32" or self.fp8_on("mlp")
                                        or self.compute_dtype not in ("bfloat16", "float32") or not self.fast_kernels):
             raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or "

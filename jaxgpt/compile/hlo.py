@@ -280,9 +280,10 @@ class Rollup:
         """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's; ``gemm_ntsum_*``:
         :meth:`_pallas_sum_gemm`) as two kernels:
         the GEMM (its first operand is the lhs (M, K), its second the rhs, (K, N) for nn or (N, K) for nt, its first
-        result (M, N): 2 M N K FLOPs and those three arrays' bytes) and its epilogue (every other operand and result:
-        bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the epilogue's extra
-        traffic."""
+        result (M, N): 2 M N K FLOPs and those three arrays' bytes, the lhs's at the rhs's dtype) and its epilogue
+        (every other operand and result, and what an lhs wider than the rhs adds: an fp32 gradient the kernel rounds
+        as it reads it; bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the
+        epilogue's extra traffic."""
         name = pallas_name(ins)
         if name.startswith("gemm_ntsum_"):
             return self._pallas_sum_gemm(comp, ins, kernel, name)
@@ -295,9 +296,10 @@ class Rollup:
             raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* and takes (M, K) "
                              f"and (K, N) (nn) or (N, K) (nt) operands first and writes (M, N) first, got {lhs}, {rhs} "
                              f"-> {out}")
-        gemm = _gemm_class("pallas", lhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
-        return _gemm_and_epilogue(ins, kernel, 2.0 * out.elements * k, lhs.bytes + rhs.bytes + out.bytes, gemm,
-                                  lhs.dtype)
+        gemm = _gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
+        lhs_bytes = min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4))
+        return _gemm_and_epilogue(ins, kernel, 2.0 * out.elements * k, lhs_bytes + rhs.bytes + out.bytes, gemm,
+                                  rhs.dtype)
 
     def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
         """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,

@@ -61,7 +61,7 @@ def resolve_policy(cfg: TrainConfig, platform: str) -> Policy:
     precision = default_compute(platform) if cfg.precision == "auto" else cfg.precision
     return Policy.named(precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
                         layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv, lm_head=cfg.lm_head,
-                        logits_dtype=cfg.logits_dtype)
+                        c_proj=cfg.c_proj, logits_dtype=cfg.logits_dtype)
 
 
 def _abstract_state(cfg: TrainConfig, policy: Policy, optimizer, mesh):

@@ -40,6 +40,9 @@ class TrainConfig:
     # Policy.lm_head: pallas = the loss's row max and sum of exp in the bf16 logits GEMM's epilogue (GPUs; needs
     # logits_dtype: bfloat16)
     lm_head: Literal["plain", "pallas"] = "plain"
+    # Policy.c_proj: pallas = ln_2's backward kernel also writes the attention c_proj's bf16 output gradient and bias
+    # gradient partial sums (GPUs; needs layer_norm: pallas)
+    c_proj: Literal["plain", "pallas"] = "plain"
     # Policy.logits_dtype: the dtype the lm_head writes its logits in, the loss and its gradient then computed in fp32
     # from them; bfloat16 halves the loss's passes over them (GPUs). null: the precision's own (bf16 under
     # bf16-autocast, torch.autocast's numerics, which refuses float32; fp32 otherwise)

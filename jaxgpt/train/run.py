@@ -245,7 +245,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         cfg = self.cfg
         self.policy = Policy.named(cfg.precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
                                    layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv, lm_head=cfg.lm_head,
-                                   logits_dtype=cfg.logits_dtype)
+                                   c_proj=cfg.c_proj, logits_dtype=cfg.logits_dtype)
         model = build_model(cfg, self.policy)
         self.model_cfg = model.config
         optimizer = make_optimizer(cfg.optim)
