@@ -113,6 +113,20 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
      "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
          "b64": "combined-fast-qkvsum-b64", "b16": "combined-fast-qkvsum-b16",
          "yaml": "combined-fast-qkvsum-gpt2-124m"}),
+    (("c_proj: ln_2's backward kernel also writes the attention c_proj's output gradient rounded to bf16 and its "
+      "column sums (c_proj's bias gradient), so its backward GEMMs read those and no XLA pass reads the fp32 gradient "
+      "back (12 passes of 302 MB per b64 step); with gelu=pallas-gemm the MLP's input-gradient GEMM does the same "
+      "for its c_proj, reading the fp32 gradient (12 more). The same values but for the bias gradients' order of "
+      "sum. Priced as above: the GEMM's lhs at bf16, the fp32 read's other half as epilogue. Against layer_norm=pallas "
+      "alone (the LayerNorm forward kernel's row, as the code compiles it today): 154.7 -> 154.0 ms at b64"),
+     "layer_norm=pallas c_proj=pallas", {"b64": "c-proj-pallas-b64", "b16": "c-proj-pallas-b16",
+                                         "yaml": "c-proj-pallas-gpt2-124m"}),
+    ("the fastest set predicted, with c_proj's gradient from the kernels (bench variant jax_bf16_fast, without the "
+     "grouped norm)",
+     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+      "logits_dtype=bfloat16"), {
+         "b64": "combined-fast-cproj-b64", "b16": "combined-fast-cproj-b16",
+         "yaml": "combined-fast-cproj-gpt2-124m"}),
 ]
 
 
@@ -150,7 +164,8 @@ def rows() -> list[dict[str, Any]]:
 
 
 # the setting of the fastest set's row
-FASTEST = "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16"
+FASTEST = ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+           "logits_dtype=bfloat16")
 
 
 def files_of(setting: str) -> dict[str, str]:

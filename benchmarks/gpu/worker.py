@@ -48,6 +48,7 @@ GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
                 "jax_bf16_gelu_gemm": ("jax", "bf16", True),
                 "jax_bf16_qkv_pallas": ("jax", "bf16", True),
                 "jax_bf16_lm_head_pallas": ("jax", "bf16", True),
+                "jax_bf16_c_proj": ("jax", "bf16", True),
                 "jax_bf16_fast": ("jax", "bf16", True)}
 VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_gelu_pallas": {"gelu": "pallas"},
                   "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
@@ -56,12 +57,14 @@ VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_ge
                   "jax_bf16_qkv_pallas": {"qkv": "pallas"},  # q, k, v's bias + bf16 in their Pallas GEMMs
                   # the loss's row max and sum of exp in the bf16 logits GEMM's epilogue
                   "jax_bf16_lm_head_pallas": {"lm_head": "pallas", "logits_dtype": "bfloat16"},
-                  # Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs, bf16 logits (as
-                  # torch.compile's autocast writes them):
+                  # c_proj's bf16 output gradient and bias sums from the kernels that make the gradient
+                  "jax_bf16_c_proj": {"layer_norm": "pallas", "c_proj": "pallas"},
+                  # Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs, c_proj's gradient from
+                  # them, bf16 logits (as torch.compile's autocast writes them):
                   # the program issue 32 predicts fastest (BENCHMARKS.md); the compare part measures it beside the
                   # default and torch.compile (jax_bf16_pallas + bf16 logits until 2026-11-27's GEMM kernels)
                   "jax_bf16_fast": {"layer_norm": "pallas", "gelu": "pallas-gemm", "qkv": "pallas",
-                                    "lm_head": "pallas", "logits_dtype": "bfloat16"}}
+                                    "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"}}
 
 
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
