@@ -29,6 +29,11 @@ reads c_proj's fp32 output gradient itself (rounding it to bf16 as it reads it, 
 that rounding and the gradient's column sums: the weight-gradient GEMM and the bias gradient read those, and XLA's
 pass that read the fp32 gradient back to make them (302 MB per layer at gpt2 b64) is gone.
 
+``Policy.gelu = "pallas-recompute"`` (``recompute=True``) trades FLOPs for memory: the forward kernel does not write
+h, and the backward kernel computes each tile's h again from x, w_fc and b_fc (the forward's tiles and K steps, so
+the same values), a second GEMM in the kernel: 805 MB less per layer at gpt2 b64, 9.0 GiB in all, for 309 GFLOP more
+per layer (llm.c's GELU recompute, in one kernel).
+
 The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.gemm`'s.
 """
 
@@ -47,21 +52,32 @@ SCOPE = gelu.SCOPE  # the profile's and jaxgpt.compile's category: GELU's
 FIX = "the kernels take bf16 operands (and fp32 h): mlp(impl='xla' or 'auto') for other dtypes, or gelu: plain"
 
 
-def _fwd_kernel(x_ref, w_ref, b_ref, h_ref, y_ref, *, bk: int):
-    """One (bm, bn) tile: h = x @ w + b accumulated in fp32, then h and gelu(h) in y_ref's dtype."""
+def _fwd_kernel(x_ref, w_ref, b_ref, *out_refs, bk: int):
+    """One (bm, bn) tile: h = x @ w + b accumulated in fp32, then h (unless ``out_refs`` is y_ref alone: the backward
+    recomputes it) and gelu(h) in y_ref's dtype."""
     h = gemm.accumulate(x_ref, w_ref, bk=bk) + b_ref[...]
-    h_ref[...] = h
+    *h_ref, y_ref = out_refs
+    if h_ref:
+        h_ref[0][...] = h
     y_ref[...] = jax.nn.gelu(h, approximate=True).astype(y_ref.dtype)
 
 
-def _bwd_kernel(g_ref, w_ref, h_ref, dh_ref, db_ref, *g_refs, bk: int):
+def _bwd_kernel(g_ref, w_ref, *refs, bk: int, bk_fc: int | None):
     """One (bm, bn) tile: dh = (g @ w^T) * gelu'(h), the GEMM accumulated in fp32; dh written in dh_ref's dtype,
-    its fp32 column sums into db_ref. With ``g_refs`` (an fp32 g, rounded to w's dtype as it is read): the first
-    column tile's programs also write their rows of g rounded and g's fp32 column sums (c_proj's backward GEMM
-    operand and its bias gradient's partial sums)."""
+    its fp32 column sums into db_ref. ``refs``: h, or with ``bk_fc`` (its K step) the forward's x, w_fc and bias, from
+    which
+    the tile's h is computed again as the forward kernel computed it (a second GEMM: the same tile, K steps and fp32
+    bias add); then dh, db and, for an fp32 g (rounded to w's dtype as it is read), g's rounding and column sums,
+    written by the first column tile's programs (c_proj's backward GEMM operand and its bias gradient's partials)."""
     from jax.experimental import pallas as pl
 
-    dh = gemm.accumulate(g_ref, w_ref, bk=bk, trans_b=True) * gelu.gelu_grad(h_ref[...])
+    if bk_fc is not None:
+        x_ref, wfc_ref, b_ref, dh_ref, db_ref, *g_refs = refs
+        h = gemm.accumulate(x_ref, wfc_ref, bk=bk_fc) + b_ref[...]
+    else:
+        h_ref, dh_ref, db_ref, *g_refs = refs
+        h = h_ref[...]
+    dh = gemm.accumulate(g_ref, w_ref, bk=bk, trans_b=True) * gelu.gelu_grad(h)
     dh_ref[...] = dh.astype(dh_ref.dtype)
     db_ref[...] = dh.sum(axis=0, keepdims=True)
     if not g_refs:
@@ -77,11 +93,12 @@ def _bwd_kernel(g_ref, w_ref, h_ref, dh_ref, db_ref, *g_refs, bk: int):
 
 
 def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: Float[Array, " d_ff"] | None, *,
-                 interpret: bool = False, block: tuple[int, int, int] | None = None
-                 ) -> tuple[Float[Array, "rows d_ff"], Float[Array, "rows d_ff"]]:
+                 interpret: bool = False, block: tuple[int, int, int] | None = None, keep_h: bool = True
+                 ) -> tuple[Float[Array, "rows d_ff"] | None, Float[Array, "rows d_ff"]]:
     """``(h, y)``: ``h = x @ w + b`` (bf16 operands, fp32 accumulation and result) and ``y = gelu(h)`` (tanh, fp32)
     rounded to bf16, as one Pallas Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend).
-    ``block``: (bm, bn, bk), the tile and K step (defaults :data:`BLOCK_M`, :data:`BLOCK_N`, :data:`BLOCK_K`)."""
+    ``block``: (bm, bn, bk), the tile and K step (defaults :data:`BLOCK_M`, :data:`BLOCK_N`, :data:`BLOCK_K`).
+    ``keep_h=False``: h is not written (None; the backward recomputes it)."""
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32
@@ -95,51 +112,82 @@ def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: 
     b2 = (jnp.zeros((n,), f32) if b is None else b.astype(f32))[None, :]
     xp, wp, bp = gemm.pad_to(x, bm, bk), gemm.pad_to(w, bk, bn), gemm.pad_to(b2, 1, bn)
     (mp, kp), np_ = xp.shape, wp.shape[1]
-    h, y = pl.pallas_call(
+    outs = (jax.ShapeDtypeStruct((mp, np_), f32),) * keep_h + (jax.ShapeDtypeStruct((mp, np_), bf16),)
+    *h, y = pl.pallas_call(
         partial(_fwd_kernel, bk=bk),
-        out_shape=(jax.ShapeDtypeStruct((mp, np_), f32), jax.ShapeDtypeStruct((mp, np_), bf16)),
+        out_shape=outs,
         grid=gemm.grid(mp // bm, np_ // bn),
         in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((kp, bn), lambda j, i: (0, j)),
                   pl.BlockSpec((1, bn), lambda j, i: (0, j))],
-        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)),) * 2,
+        out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)),) * len(outs),
         interpret=interpret, name="gemm_nn_bias_gelu", **gemm.compiler_params(interpret))(xp, wp, bp)
-    return (h[:m, :n], y[:m, :n]) if (mp, np_) != (m, n) else (h, y)
+    h = h[0] if keep_h else None
+    if (mp, np_) != (m, n):
+        return None if h is None else h[:m, :n], y[:m, :n]
+    return h, y
 
 
-def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff d_out"], h: Float[Array, "rows d_ff"],
-                            *, interpret: bool = False, block: tuple[int, int, int] | None = None
-                            ) -> tuple[Float[Array, "rows d_ff"], ...]:
+def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff d_out"],
+                            h: Float[Array, "rows d_ff"] | None, *, fc: tuple | None = None, interpret: bool = False,
+                            block: tuple[int, int, int] | None = None) -> tuple[Float[Array, "rows d_ff"], ...]:
     """``(dh, partial_sums)``: ``dh = (g @ w^T) * gelu'(h)`` with bf16 ``g`` and ``w`` (c_proj's output gradient and
     kernel, stored (d_ff, d_out)) and fp32 accumulation, rounded to bf16, and the fp32 column sums of the unrounded
     ``dh`` per block of rows (their sum is c_fc's bias gradient), as one Pallas Triton GEMM.
 
     An fp32 ``g`` (``Policy.c_proj = "pallas"``) is rounded to bf16 as the kernel reads it, and two more results come
     out: ``g`` rounded to bf16 (what c_proj's weight-gradient GEMM reads) and g's fp32 column sums per block of rows
-    (c_proj's bias gradient): XLA's pass that reads the fp32 g to make them is gone."""
+    (c_proj's bias gradient): XLA's pass that reads the fp32 g to make them is gone.
+
+    ``fc``: ``(x, w_fc, b_fc)`` (bf16, bf16, fp32 or None) instead of ``h`` (``gelu: pallas-recompute``): each tile's h
+    is computed again as :func:`fc_gemm_gelu` computed it (the same tiles and K steps), a second GEMM in the kernel
+    (named ``gemm2_ntnn_*``: :mod:`jaxgpt.compile.hlo` reads both), so the forward need not keep h."""
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32
     wide = getattr(g, "dtype", None) == f32
-    gemm.check("proj_gemm_gelu_backward", {"g": (g, f32 if wide else bf16, "(rows, d_out)"),
-                                            "w": (w, bf16, "(d_ff, d_out)"), "h": (h, f32, "(rows, d_ff)")}, FIX)
+    if getattr(g, "dtype", None) not in (bf16, f32):
+        raise GemmKernelError(f"proj_gemm_gelu_backward: g must be bfloat16 (or float32: rounded as it is read), got "
+                              f"{getattr(g, 'dtype', type(g).__name__)}; {FIX}")
+    if (h is None) == (fc is None):
+        raise GemmKernelError("proj_gemm_gelu_backward takes h or fc=(x, w_fc, b_fc) to recompute it, one of the two")
+    arrays = {"g": (g, f32 if wide else bf16, "(rows, d_out)"), "w": (w, bf16, "(d_ff, d_out)")}
+    if fc is None:
+        arrays["h"] = (h, f32, "(rows, d_ff)")
+    else:
+        arrays.update(x=(fc[0], bf16, "(rows, d_in)"), w_fc=(fc[1], bf16, "(d_in, d_ff)"))
+    gemm.check("proj_gemm_gelu_backward", arrays, FIX)
     (m, k), n = g.shape, w.shape[0]
-    if w.shape[1] != k or h.shape != (m, n):
-        raise GemmKernelError(f"proj_gemm_gelu_backward: g {tuple(g.shape)}, w {tuple(w.shape)} and h "
-                              f"{tuple(h.shape)} do not chain: want (rows, d_out), (d_ff, d_out), (rows, d_ff)")
+    h_shape = tuple(h.shape) if fc is None else (fc[0].shape[0], fc[1].shape[1])
+    if w.shape[1] != k or h_shape != (m, n) or (fc is not None and (
+            fc[0].shape[1] != fc[1].shape[0] or (fc[2] is not None and fc[2].shape != (n,)))):
+        raise GemmKernelError(f"proj_gemm_gelu_backward: g {tuple(g.shape)}, w {tuple(w.shape)} and h {h_shape} (or "
+                              "x @ w_fc + b_fc) do not chain: want (rows, d_out), (d_ff, d_out), (rows, d_ff)")
     bm, bn, bk = gemm.blocks(m, n, k, block)
-    gp, wp, hp = gemm.pad_to(g, bm, bk), gemm.pad_to(w, bn, bk), gemm.pad_to(h, bm, bn)
+    gp, wp = gemm.pad_to(g, bm, bk), gemm.pad_to(w, bn, bk)
     (mp, kp), np_ = gp.shape, wp.shape[0]
+    if fc is None:
+        operands = [gemm.pad_to(h, bm, bn)]
+        specs = [pl.BlockSpec((bm, bn), lambda j, i: (i, j))]
+        bk_fc, name = None, "gemm_nt_gelu_backward"
+    else:  # the forward kernel's tiles: the same (bm, bn) (same m, n) and its own K step
+        x, w_fc, b_fc = fc
+        bk_fc = gemm.blocks(m, n, x.shape[1], block)[2]
+        b2 = (jnp.zeros((n,), f32) if b_fc is None else b_fc.astype(f32))[None, :]
+        operands = [gemm.pad_to(x, bm, bk_fc), gemm.pad_to(w_fc, bk_fc, bn), gemm.pad_to(b2, 1, bn)]
+        kfc = operands[0].shape[1]
+        specs = [pl.BlockSpec((bm, kfc), lambda j, i: (i, 0)), pl.BlockSpec((kfc, bn), lambda j, i: (0, j)),
+                 pl.BlockSpec((1, bn), lambda j, i: (0, j))]
+        name = "gemm2_ntnn_gelu_backward"
     g_outs = ((jax.ShapeDtypeStruct((mp, kp), bf16), jax.ShapeDtypeStruct((mp // bm, kp), f32)) if wide else ())
     dh, sums, *g_parts = pl.pallas_call(
-        partial(_bwd_kernel, bk=bk),
+        partial(_bwd_kernel, bk=bk, bk_fc=bk_fc),
         out_shape=(jax.ShapeDtypeStruct((mp, np_), bf16), jax.ShapeDtypeStruct((mp // bm, np_), f32), *g_outs),
         grid=gemm.grid(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((bn, kp), lambda j, i: (j, 0)),
-                  pl.BlockSpec((bm, bn), lambda j, i: (i, j))],
+        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((bn, kp), lambda j, i: (j, 0)), *specs],
         out_specs=(pl.BlockSpec((bm, bn), lambda j, i: (i, j)), pl.BlockSpec((1, bn), lambda j, i: (i, j)),
                    *((pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((1, kp), lambda j, i: (i, 0)))
                      if wide else ())),
-        interpret=interpret, name="gemm_nt_gelu_backward", **gemm.compiler_params(interpret))(gp, wp, hp)
+        interpret=interpret, name=name, **gemm.compiler_params(interpret))(gp, wp, *operands)
     out = (dh[:m, :n], sums[:, :n]) if (mp, np_) != (m, n) else (dh, sums)
     return out + (g_parts[0][:m, :k], g_parts[1][:, :k]) if wide else out
 
@@ -149,49 +197,59 @@ def _resolve(impl: Impl, dtype) -> Impl:
     return gemm.resolve(impl, dtype)
 
 
-def _forward(xc, wfc, b, dtype, precision, impl):
-    """(h, y) of c_fc + GELU: the kernel's, or XLA's (the plain path's: GEMM, bias add, GELU in fp32, rounded)."""
+def _fc(xc, wfc, b, dtype, precision):
+    """h = x @ w_fc + b as the plain path computes it (XLA's GEMM, then the fp32 bias add)."""
+    h = ops._dot(xc, wfc, dtype, precision)
+    return h if b is None else h + b
+
+
+def _forward(xc, wfc, b, dtype, precision, impl, keep_h=True):
+    """(h, y) of c_fc + GELU: the kernel's, or XLA's (the plain path's: GEMM, bias add, GELU in fp32, rounded);
+    h None where the kernel does not keep it (``keep_h=False``)."""
     if impl == "xla":
-        h = ops._dot(xc, wfc, dtype, precision)
-        if b is not None:
-            h = h + b
+        h = _fc(xc, wfc, b, dtype, precision)
         with jax.named_scope(SCOPE):
-            return h, jax.nn.gelu(h, approximate=True).astype(dtype)
+            return h if keep_h else None, jax.nn.gelu(h, approximate=True).astype(dtype)
     with jax.named_scope(SCOPE):
-        return fc_gemm_gelu(xc, wfc, b, interpret=impl == "interpret")
+        return fc_gemm_gelu(xc, wfc, b, interpret=impl == "interpret", keep_h=keep_h)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _mlp(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold):
-    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _mlp(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute):
+    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute)[0]
 
 
 def _like(a):
     return None if a is None else jnp.zeros((), a.dtype)
 
 
-def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold):
+def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute):
     xc, wfc, wpc = x.astype(dtype), w_fc.astype(dtype), w_proj.astype(dtype)
-    h, y = _forward(xc, wfc, b_fc, dtype, precision, _resolve(impl, dtype))
+    h, y = _forward(xc, wfc, b_fc, dtype, precision, _resolve(impl, dtype), keep_h=not recompute)
     m = ops._dot(y, wpc, dtype, precision, out)  # c_proj, as ops._matmul2d_fwd
     if fold and b_proj is not None:  # c_proj's bias, as Linear adds it
         m = m + b_proj
-    return m, (xc, wfc, wpc, h, y, jnp.zeros((), x.dtype), _like(b_fc), _like(b_proj))
+    # recompute: b_fc itself is kept (h is rebuilt from x, w_fc and b_fc), not only its dtype
+    b_saved = b_fc if recompute else _like(b_fc)
+    return m, (xc, wfc, wpc, h, y, jnp.zeros((), x.dtype), b_saved, _like(b_proj))
 
 
-def _mlp_bwd(dtype, precision, out, impl, fold, res, dm):
+def _mlp_bwd(dtype, precision, out, impl, fold, recompute, res, dm):
     xc, wfc, wpc, h, y, x_like, b_like, bp_like = res
     impl = _resolve(impl, dtype)
+    fc = (xc, wfc, b_like) if recompute else None  # b_like: b_fc itself under recompute
     gc = dm.astype(dtype) if impl == "xla" or not fold else None
     with jax.named_scope(SCOPE):
         if impl == "xla":
+            if recompute:
+                h = _fc(xc, wfc, b_like, dtype, precision)
             g = ops._dot(gc, ops.transpose_operand(wpc), dtype, precision, out)
             dh, sums = gelu.gelu_backward_xla(g, h, out_dtype=dtype)
         elif fold:  # the kernel rounds dm as it reads it and writes the rounding and dm's column sums
-            dh, sums, gc, dm_sums = proj_gemm_gelu_backward(dm.astype(jnp.float32), wpc, h,
+            dh, sums, gc, dm_sums = proj_gemm_gelu_backward(dm.astype(jnp.float32), wpc, h, fc=fc,
                                                             interpret=impl == "interpret")
         else:
-            dh, sums = proj_gemm_gelu_backward(gc, wpc, h, interpret=impl == "interpret")
+            dh, sums = proj_gemm_gelu_backward(gc, wpc, h, fc=fc, interpret=impl == "interpret")
         db = None if b_like is None else sums.sum(axis=0).astype(b_like.dtype)
     dw_proj = ops._dot(ops.transpose_operand(y), gc, dtype, precision)  # as ops._matmul2d_bwd: fp32
     db_proj = None
@@ -207,8 +265,8 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Float[Array, " d_ff"] | None,
         w_proj: Float[Array, "d_ff d_in"], *, dtype=jnp.bfloat16, precision=None, out_dtype=jnp.float32,
-        impl: Impl = "auto", b_proj: Float[Array, " d_in"] | None = None, fold: bool = False
-        ) -> Float[Array, "... d_in"]:
+        impl: Impl = "auto", b_proj: Float[Array, " d_in"] | None = None, fold: bool = False,
+        recompute: bool = False) -> Float[Array, "... d_in"]:
     """``gelu(x @ w_fc + b_fc) @ w_proj`` without c_proj's bias (the caller adds it, as Linear does): operands in
     ``dtype``, fp32 accumulation, GELU in fp32 rounded to ``dtype`` as c_proj's operand, the result and the
     backward's ``dx`` in fp32 (the default policies' GEMM output). ``impl``: "kernel" (the two Pallas Triton GEMMs:
@@ -218,14 +276,21 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
     ``fold`` (``Policy.c_proj = "pallas"``): c_proj's bias ``b_proj`` is added here, and on the kernel path c_proj's
     input-gradient GEMM reads the fp32 output gradient itself, rounding it as it reads it, and writes the rounded
     copy (the weight-gradient GEMM's operand) and the bias gradient's partial sums: XLA's pass that reads the fp32
-    gradient back for them is gone. The same values but for the order of the bias gradient's sum."""
+    gradient back for them is gone. The same values but for the order of the bias gradient's sum.
+
+    ``recompute`` (``Policy.gelu = "pallas-recompute"``): the forward does not keep h (fp32, (rows, d_ff): 805 MB
+    per layer at gpt2 b64); the backward computes it again from x, w_fc and b_fc, on GPUs inside the
+    input-gradient GEMM's kernel (a second GEMM per tile, as the forward kernel computed it: the same values)."""
     if b_proj is not None and not fold:
         raise GemmKernelError("gelu_gemm.mlp adds c_proj's bias only with fold=True (else the caller adds it)")
+    if b_proj is not None and tuple(b_proj.shape) != (w_proj.shape[-1],):
+        raise GemmKernelError(f"gelu_gemm.mlp: b_proj has shape {tuple(b_proj.shape)} but c_proj writes "
+                              f"{w_proj.shape[-1]} features; b_proj must have shape ({w_proj.shape[-1]},)")
     gemm.resolve(impl, dtype)  # refuses an unknown impl
     if jnp.dtype(out_dtype) != jnp.float32:
         raise GemmKernelError(f"gelu_gemm.mlp keeps the GEMMs' fp32 outputs (gemm_output float32), got out_dtype "
                               f"{jnp.dtype(out_dtype).name}: use gelu: plain with that policy")
     lead = x.shape[:-1]
     m = _mlp(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, jnp.dtype(dtype), precision,
-             jnp.dtype(out_dtype), impl, bool(fold))
+             jnp.dtype(out_dtype), impl, bool(fold), bool(recompute))
     return m.reshape(*lead, w_proj.shape[-1])

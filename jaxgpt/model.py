@@ -341,7 +341,7 @@ class MLP(nnx.Module):
             y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
             with jax.named_scope("gelu"):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
-        elif fc.policy.gelu == "pallas-gemm":  # the same values; GELU in the two GEMMs' epilogues on GPUs
+        elif fc.policy.gelu in ("pallas-gemm", "pallas-recompute"):  # the same values; GELU in the GEMMs' epilogues
             return dropout(self._gelu_in_gemms(x), self.dropout, dropout_key)
         elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.gelu)
             p = fc.policy
@@ -354,14 +354,15 @@ class MLP(nnx.Module):
         return dropout(self.c_proj(h), self.dropout, dropout_key)
 
     def _gelu_in_gemms(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"); c_proj's bias added
-        here, as Linear adds it."""
+        """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"; "pallas-recompute": h
+        not kept, recomputed in the backward); c_proj's bias added here, as Linear adds it (or in the VJP, under
+        Policy.c_proj = "pallas")."""
         fc, proj, p = self.c_fc, self.c_proj, self.c_fc.policy
         fold = p.c_proj == "pallas"  # c_proj's bias and its gradient's rounding and sum in the GEMMs too
         bias = None if proj.bias is None else proj.bias[...]
         y = gelu_gemm.mlp(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], proj.kernel[...],
                           dtype=p.dtype, precision=p.lax_precision, out_dtype=p.out_dtype,
-                          b_proj=bias if fold else None, fold=fold)
+                          b_proj=bias if fold else None, fold=fold, recompute=p.gelu == "pallas-recompute")
         return y + bias if bias is not None and not fold else y
 
 

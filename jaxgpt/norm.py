@@ -187,7 +187,7 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: boo
             return acc
         # the projection's: XLA would read dx back to round it and sum it (c_proj's bias gradient) in a pass
         plgpu.store(cast_refs[0].at[at], dx.astype(cast_refs[0].dtype), mask=ok)
-        return acc[:2] + (acc[2] + jnp.where(ok, dx, 0.0).sum(axis=0),)  # padded columns of dx are not 0
+        return acc[:2] + (acc[2] + jnp.where(ok, dx, 0.0).sum(axis=0),)  # ok: as the stores (padded columns' dx is not 0)
 
     zero = jnp.zeros((width,), jnp.float32)
     sums = jax.lax.fori_loop(0, block // sub, step, (zero,) * (3 if cast else 2))
@@ -321,7 +321,7 @@ def _resolve(backward: Backward) -> Backward:
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
-Projection = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
+LinearArgs = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -330,7 +330,7 @@ def _branch(x, add, proj, scale, bias, eps, backward, copies, dtype, precision):
     return _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision)[0]
 
 
-def _project(proj: Projection, dtype, precision):
+def _project(proj: LinearArgs, dtype, precision):
     """The projection's output as :class:`jaxgpt.model.Linear` computes it (jaxgpt.ops.matmul: operands in ``dtype``,
     fp32 result; then the bias) and what its backward keeps: the operands in ``dtype`` and the dtypes of y and b."""
     y, w, b = proj
@@ -380,10 +380,12 @@ def _branch_bwd(eps, backward, copies, dtype, precision, res, cotangents):
             dx, d_scale, d_bias = _backward_xla(*res, dy)
             dx = d_x_out.astype(x.dtype) + dx
         else:
+            # the rounded copy is only worth writing in a narrower dtype: in fp32 the GEMMs read dx itself and XLA
+            # sums it (the fp32 policy gains nothing from c_proj: pallas, and loses nothing)
+            cast_to = None if saved_proj is None or jnp.dtype(dtype) == x.dtype else dtype
             dx, ds, db, *extra = layer_norm_backward(
                 x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys], d_x_out.astype(x.dtype),
-                mean, rstd, scale, cast=None if saved_proj is None else dtype,
-                interpret=_resolve(backward) == "interpret")
+                mean, rstd, scale, cast=cast_to, interpret=_resolve(backward) == "interpret")
             cast, sums = extra or (None, None)
             d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
                 bias.dtype)
@@ -397,7 +399,7 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
                       bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
                       copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32,
-                      proj: Projection | None = None, precision=None) -> tuple[Float[Array, "rows embed"], ...]:
+                      proj: LinearArgs | None = None, precision=None) -> tuple[Float[Array, "rows embed"], ...]:
     """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
     "kernel" (:func:`layer_norm_backward`, and :func:`layer_norm_forward` for the forward: GPUs), "interpret"

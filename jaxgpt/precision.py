@@ -57,8 +57,10 @@ class Policy:
     # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm"
     # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's
     # input-gradient GEMM applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16
-    # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas
-    gelu: Literal["plain", "pallas", "pallas-gemm"] = "plain"
+    # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas. "pallas-recompute": as
+    # pallas-gemm, but the forward does not keep h (fp32, 805 MB per layer at gpt2 b64): c_proj's input-gradient
+    # kernel computes it again from x, a second GEMM in the same kernel (the same values)
+    gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute"] = "plain"
     # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
     # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
     # bias and writes the bf16 that attention takes, and one GEMM for their input gradient that also sums the bias
@@ -73,7 +75,8 @@ class Policy:
     # the attention's c_proj (jaxgpt.norm.layer_norm_branch's proj): "plain" (its output is added to the residual
     # stream by ln_2's kernel; on GPUs an XLA pass reads that sum's fp32 gradient back to round it to bf16 for c_proj's
     # backward GEMMs and to sum it for its bias gradient) or "pallas" (ln_2's backward kernel writes the rounded copy
-    # and the sum's partials itself: the same values but for the order of the bias gradient's sum). Needs layer_norm
+    # and the sum's partials itself; under gelu pallas-gemm or pallas-recompute the MLP's input-gradient GEMM does the
+    # same for the MLP's c_proj: the same values but for the order of the bias gradients' sums). Needs layer_norm
     # pallas, gemm_output float32, fast_kernels and no fp8 on the attention's GEMMs
     c_proj: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
@@ -94,8 +97,9 @@ class Policy:
         if self.layer_norm not in ("plain", "fused", "pallas"):
             raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused', "
                               "'pallas'")
-        if self.gelu not in ("plain", "pallas", "pallas-gemm"):
-            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas', 'pallas-gemm'")
+        if self.gelu not in ("plain", "pallas", "pallas-gemm", "pallas-recompute"):
+            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas', 'pallas-gemm', "
+                              "'pallas-recompute'")
         if self.logits_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):

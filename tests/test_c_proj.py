@@ -54,33 +54,35 @@ def test_layer_norm_backward_writes_its_output_rounded_and_its_column_sums(rows,
     _sums_within_bound("column sums", sums, out)
 
 
-def _branch(backward: str, with_bias: bool, as_projection: bool):
+def _branch(backward: str, with_bias: bool, as_projection: bool, dtype=BF16):
     def f(x, y, w, b, s, lb):
         b = b if with_bias else None
         if as_projection:
-            return norm.layer_norm_branch(x, s, lb, eps=EPS, backward=backward, proj=(y, w, b), dtype=BF16)
-        a = ops.matmul(y, w, dtype=BF16)  # what Linear computes
-        return norm.layer_norm_branch(x, s, lb, eps=EPS, backward=backward, add=a if b is None else a + b, dtype=BF16)
+            return norm.layer_norm_branch(x, s, lb, eps=EPS, backward=backward, proj=(y, w, b), dtype=dtype)
+        a = ops.matmul(y, w, dtype=dtype)  # what Linear computes
+        return norm.layer_norm_branch(x, s, lb, eps=EPS, backward=backward, add=a if b is None else a + b, dtype=dtype)
     return f
 
 
 @pytest.mark.parametrize("backward", ["xla", "interpret"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_branch_with_a_projection_is_the_branch_of_the_linears_output(backward, with_bias):
+@pytest.mark.parametrize("with_bias, dtype", [(True, BF16), (False, BF16), (True, jnp.float32)],
+                         ids=["bias", "no-bias", "fp32"])
+def test_branch_with_a_projection_is_the_branch_of_the_linears_output(backward, with_bias, dtype):
     """layer_norm_branch(proj=(y, w, b)) against layer_norm_branch(add=Linear's y @ w + b) with random cotangents
     for both outputs, on 168 rows (two 128-row blocks, the second ragged): the outputs and the gradients of x, y, w
     and the LayerNorm's scale and bias bit for bit (the projection's backward GEMMs read the same bf16 rounding of the
-    same fp32 gradient); the projection's bias gradient within the bound of the sum of that gradient."""
+    same fp32 gradient; under fp32 compute the gradient itself, which the kernel then does not copy); the
+    projection's bias gradient within the bound of the sum of that gradient."""
     r = np.random.default_rng(2)
     rows, dim, d_in = 168, 48, 40
     x = jnp.asarray(r.standard_normal((rows, dim)), jnp.float32)
-    y = jnp.asarray(r.standard_normal((rows, d_in)), BF16)
+    y = jnp.asarray(r.standard_normal((rows, d_in)), dtype)
     w = jnp.asarray(r.standard_normal((d_in, dim)) / 8, jnp.float32)
     b, lb = (jnp.asarray(r.standard_normal(dim) / 4, jnp.float32) for _ in range(2))
     s = jnp.asarray(1 + r.standard_normal(dim) / 4, jnp.float32)
     cts = tuple(jnp.asarray(r.standard_normal((rows, dim)), jnp.float32) for _ in range(2))
-    got_out, got_vjp = jax.vjp(_branch(backward, with_bias, True), x, y, w, b, s, lb)
-    want_out, want_vjp = jax.vjp(_branch(backward, with_bias, False), x, y, w, b, s, lb)
+    got_out, got_vjp = jax.vjp(_branch(backward, with_bias, True, dtype), x, y, w, b, s, lb)
+    want_out, want_vjp = jax.vjp(_branch(backward, with_bias, False, dtype), x, y, w, b, s, lb)
     got, want = got_vjp(cts), want_vjp(cts)
     for name, u, v in zip(("x + a", "ln", "d_x", "d_y", "d_w", "d_b", "d_scale", "d_ln_bias"),
                           (*got_out, *got), (*want_out, *want), strict=True):
@@ -138,6 +140,11 @@ def test_mlp_with_the_bias_folded_in_is_the_mlp_plus_the_bias(impl):
     if impl == "xla":
         np.testing.assert_array_equal(np.asarray(got[4]), np.asarray(want[4]))
     _sums_within_bound("d_b_proj", got[4][None], ct)
+    # a c_proj without a bias: the kernel still writes the rounding the weight gradient reads
+    no_bias, no_bias_vjp = jax.vjp(lambda x: gelu_gemm.mlp(x, wf, bf, wp, impl=impl, fold=True), x)
+    plain, plain_vjp = jax.vjp(lambda x: gelu_gemm.mlp(x, wf, bf, wp, impl=impl), x)
+    np.testing.assert_array_equal(np.asarray(no_bias), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(no_bias_vjp(ct)[0]), np.asarray(plain_vjp(ct)[0]))
 
 
 def test_kernels_and_policy_refuse_what_they_cannot_take():
@@ -150,6 +157,11 @@ def test_kernels_and_policy_refuse_what_they_cannot_take():
         norm.layer_norm_branch(ones, jnp.ones(8), None, eps=EPS, proj=(ones, jnp.ones((8, 6)), None))
     with pytest.raises(GemmKernelError, match="only with fold=True"):
         gelu_gemm.mlp(ones, jnp.ones((8, 16)), None, jnp.ones((16, 8)), b_proj=jnp.ones(8))
+    with pytest.raises(GemmKernelError, match=r"b_proj has shape \(1,\).*must have shape \(8,\)"):
+        gelu_gemm.mlp(ones, jnp.ones((8, 16)), None, jnp.ones((16, 8)), b_proj=jnp.ones(1), fold=True)
+    with pytest.raises(GemmKernelError, match="g must be bfloat16 .or float32.*got float16"):
+        gelu_gemm.proj_gemm_gelu_backward(ones.astype(jnp.float16), jnp.ones((16, 8), BF16), jnp.ones((4, 16)),
+                                          interpret=True)
     with pytest.raises(ConfigError, match="'plain', 'pallas'"):
         Policy(c_proj="triton")
     for kw in ({"layer_norm": "fused"}, {"layer_norm": "pallas", "gemm_output": "bfloat16"},
@@ -183,19 +195,22 @@ def test_tiny_gpt_trains_as_without_it(gelu, monkeypatch):
     """A tiny GPT (2 layers, n_embd 32), bf16, layer_norm: pallas (and gelu: pallas-gemm, whose MLP folds its
     c_proj too): with c_proj: pallas its 3 AdamW losses are those without it, on XLA's path (the CPU's) to 1e-6
     relative (only the bias gradients' sums change order) and with the kernels interpreted to 1e-4 relative of the
-    plain policy's (as the kernels' own tiny-GPT tests)."""
+    plain policy's (as the kernels' own tiny-GPT tests) and to 1e-6 relative of the interpreted kernels without it."""
     base = Policy.bf16(layer_norm="pallas", gelu=gelu)
     with_it = Policy.bf16(layer_norm="pallas", gelu=gelu, c_proj="pallas")
     without = _losses(base, "xla", monkeypatch)
     assert without[-1] < without[0] - 0.05, without
     np.testing.assert_allclose(_losses(with_it, "xla", monkeypatch), without, rtol=1e-6)
     plain = _losses(Policy.bf16(), "xla", monkeypatch)
-    np.testing.assert_allclose(_losses(with_it, "interpret", monkeypatch), plain, rtol=1e-4)
+    interpreted = _losses(with_it, "interpret", monkeypatch)
+    np.testing.assert_allclose(interpreted, plain, rtol=1e-4)
+    np.testing.assert_allclose(interpreted, _losses(base, "interpret", monkeypatch), rtol=1e-6)
 
 
 def test_decoding_and_dropout_take_the_plain_projection():
     """Under c_proj: pallas the KV-cache decode and a dropout step take the Linear's own c_proj: the tiny GPT's
-    cached logits equal its full forward's, and with dropout its loss is finite and its gradients flow."""
+    cached logits equal its full forward's, and with dropout (its residual dropout after c_proj kept) its loss and
+    gradients are those of layer_norm: pallas without c_proj: pallas under the same key."""
     import dataclasses
 
     from flax import nnx
@@ -205,13 +220,22 @@ def test_decoding_and_dropout_take_the_plain_projection():
 
     cfg = dataclasses.replace(GPTConfig.preset("tiny"), vocab_size=256, dropout=0.1)
     model = GPT(cfg, policy=Policy.fp32(layer_norm="pallas", c_proj="pallas"), rngs=nnx.Rngs(params=0))
+    base = GPT(cfg, policy=Policy.fp32(layer_norm="pallas"), rngs=nnx.Rngs(params=0))
     idx = jax.random.randint(jax.random.key(1), (2, 8), 0, cfg.vocab_size)
     full = model(idx)
     cache = model.init_cache(2, 8)
     step, _ = model.decode(idx, cache, 0)
     np.testing.assert_allclose(np.asarray(step), np.asarray(full), rtol=1e-5, atol=1e-5)
-    loss, grads = nnx.value_and_grad(lambda m: m.loss(idx, idx, dropout_key=jax.random.key(2)))(model)
-    assert np.isfinite(float(loss)) and float(jnp.abs(grads.h[0].attn.c_proj.kernel[...]).sum()) > 0
+    def loss_and_grads(m):
+        loss, grads = nnx.value_and_grad(lambda m: m.loss(idx, idx, dropout_key=jax.random.key(2)))(m)
+        return [loss, *jax.tree.leaves(nnx.state(grads))]
+
+    got, want = loss_and_grads(model), loss_and_grads(base)
+    assert len(got) == len(want) > 10
+    for u, v in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    no_dropout = GPT(dataclasses.replace(cfg, dropout=0.0), policy=model.policy, rngs=nnx.Rngs(params=0))
+    assert float(no_dropout.loss(idx, idx, dropout_key=jax.random.key(2))) != float(got[0])  # the dropout is there
 
 
 def test_tiny_h100_step_writes_the_rounded_gradients_in_the_kernels():

@@ -231,3 +231,83 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
 
     with pytest.raises(ValueError, match="holds Pallas GEMMs.*default policy"):
         calibrate.fit([], cs.hlo_text(), 0.1, "h100-sxm", {})
+
+
+# ---- gelu: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
+@pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
+def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
+    """proj_gemm_gelu_backward(fc=(x, w_fc, b_fc)) (interpreted) against the same kernel handed the forward kernel's h:
+    dh and its column sums bit for bit (h is computed again with the forward's tiles and K steps), with a bf16 g and
+    with an fp32 one (c_proj: pallas's results too); the forward kernel without h writes the same gelu(h)."""
+    x, w_fc, b = _fwd_inputs(m, k, n, seed=5)
+    r = np.random.default_rng(6)
+    g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
+    w = _bf16(r.standard_normal((n, k)) / np.sqrt(n))
+    h, y = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block)
+    none, y2 = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block, keep_h=False)
+    assert none is None
+    np.testing.assert_array_equal(_f64(y2), _f64(y))
+    for gi in (g.astype(BF16), g):
+        want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h, interpret=True, block=block)
+        got = gelu_gemm.proj_gemm_gelu_backward(gi, w, None, fc=(x, w_fc, b), interpret=True, block=block)
+        assert len(got) == len(want) == (4 if gi.dtype == jnp.float32 else 2)
+        for u, v in zip(got, want, strict=True):
+            np.testing.assert_array_equal(_f64(u), _f64(v))
+    with pytest.raises(gelu_gemm.GemmKernelError, match="takes h or fc="):
+        gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, h, fc=(x, w_fc, b), interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="w_fc must be bfloat16"):
+        gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, None, fc=(x, w_fc.astype(jnp.float32), b), interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
+def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
+    """gelu_gemm.mlp(recompute=True) against recompute=False, values and every gradient bit for bit, on XLA's path
+    and the kernels' (interpreted), with c_proj's bias folded in or not."""
+    r = np.random.default_rng(7)
+    rows, d, f = 168, 48, 96
+    x = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+    wf, wp = (jnp.asarray(r.standard_normal(sh) / 8, jnp.float32) for sh in ((d, f), (f, d)))
+    bf, bp = (jnp.asarray(r.standard_normal(n) / 8, jnp.float32) for n in (f, d))
+    ct = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+    outs = []
+    for recompute in (False, True):
+        def run(x, wf, bf, wp, bp, recompute=recompute):
+            return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold,
+                                 recompute=recompute)
+        y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
+        outs.append((y, *vjp(ct)))
+    for u, v in zip(*outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_recompute_policy_and_its_h100_step_reads_two_gemms():
+    """gelu: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
+    gelu: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
+    plus the c_fc GEMM's it recomputes), the forward kernel writes half as many bytes less (no fp32 h), the backward
+    reads no h, and the step needs less memory by h's (rows, 4 x embed) fp32 per layer."""
+    from jaxgpt.compile.program import resolve_policy
+    from jaxgpt.train.config import TrainConfig
+
+    cfg = TrainConfig.load(None, {"gelu": "pallas-recompute", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-recompute")
+    with pytest.raises(ConfigError, match="'pallas-gemm', 'pallas-recompute'"):
+        Policy(gelu="recompute")
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
+    two = [k for k in ks if "gemm2_ntnn_gelu_backward" in k.op_name and k.gemm]
+    one = [k for k in kg if "gemm_nt_gelu_backward" in k.op_name and k.gemm]
+    assert len(two) == len(one) == layers and {k.gemm for k in two} == {"pallas bf16->bf16 NT"}
+    fc_flops = 2.0 * rows * embed * 4 * embed
+    assert all(a.flops == pytest.approx(b.flops + fc_flops) for a, b in zip(two, one, strict=True))
+    h_bytes = rows * 4 * embed * 4
+    fwd = sum(k.bytes for k in ks if "gemm_nn_bias_gelu" in k.op_name)
+    fwd0 = sum(k.bytes for k in kg if "gemm_nn_bias_gelu" in k.op_name)
+    bwd = sum(k.bytes for k in ks if "gelu_backward" in k.op_name)
+    bwd0 = sum(k.bytes for k in kg if "gelu_backward" in k.op_name)
+    x_fc = rows * embed * 2 + embed * 4 * embed * 2 + 4 * embed * 4  # what the recompute reads instead: x, w_fc, b_fc
+    assert (fwd0 - fwd, bwd0 - bwd) == (h_bytes * layers, (h_bytes - x_fc) * layers)
+    steps = cs.micro_steps  # each kernel runs once per micro-step
+    assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kg) + steps * layers * fc_flops, rel=1e-9)
+    assert cg.memory()["temp"] - cs.memory()["temp"] >= h_bytes * layers

@@ -99,6 +99,7 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "lm_head='pallas'" in policy["jax_bf16_lm_head_pallas"] and "lm_head='pallas'" in policy["jax_bf16_fast"]
     assert "c_proj='pallas'" in policy["jax_bf16_c_proj"] and "c_proj='pallas'" in policy["jax_bf16_fast"]
     assert "layer_norm='pallas'" in policy["jax_bf16_c_proj"] and "c_proj='plain'" in policy["jax_bf16_pallas"]
+    assert "gelu='pallas-recompute'" in policy["jax_bf16_gelu_recompute"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 

@@ -127,6 +127,15 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
       "logits_dtype=bfloat16"), {
          "b64": "combined-fast-cproj-b64", "b16": "combined-fast-cproj-b16",
          "yaml": "combined-fast-cproj-gpt2-124m"}),
+    (("MLP, for memory: gelu=pallas-recompute, pallas-gemm without keeping h (fp32, 805 MB per layer at b64): c_proj's "
+      "input-gradient kernel computes it again from x, a second GEMM in the kernel (the same values). Slower as "
+      "priced (the recomputed GEMM at the slowest measured GEMM rate costs more than the 1.6 GB per layer of h "
+      "written and read back at the slowest fusion rate: 155.2 -> 155.6 ms at b64), 9.0 GiB less at b64"),
+     "gelu=pallas-recompute", {"b64": "gelu-pallas-recompute-b64", "b16": "gelu-pallas-recompute-b16",
+                               "yaml": "gelu-pallas-recompute-gpt2-124m"}),
+    ("the fastest set with gelu=pallas-recompute instead of pallas-gemm (the least memory of the fast settings)",
+     ("layer_norm=pallas gelu=pallas-recompute qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+      "logits_dtype=bfloat16"), {"b64": "combined-fast-recompute-b64"}),
 ]
 
 

@@ -66,7 +66,7 @@ ATTN_BWD_KERNEL = re.compile(r"bprop|bwd|backward|dgrad|_dq|dkv", re.I)
 COPY_KERNEL = re.compile(r"memcpy|memset|copy", re.I)
 SCOPES = ("optimizer", "cross_entropy", "attention", "layer_norm", "gelu", "embed")  # the first found wins
 SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
-PALLAS_GEMM = re.compile(r"/gemm_n(?:n|t|tsum)_\w+/pallas_call")
+PALLAS_GEMM = re.compile(r"/gemm(?:_n(?:n|t|tsum)|2_n[nt]n[nt])_\w+/pallas_call")
 ROW = {"layer_norm": "LayerNorm", "gelu": "GELU"}
 
 

@@ -49,6 +49,7 @@ GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
                 "jax_bf16_qkv_pallas": ("jax", "bf16", True),
                 "jax_bf16_lm_head_pallas": ("jax", "bf16", True),
                 "jax_bf16_c_proj": ("jax", "bf16", True),
+                "jax_bf16_gelu_recompute": ("jax", "bf16", True),
                 "jax_bf16_fast": ("jax", "bf16", True)}
 VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_gelu_pallas": {"gelu": "pallas"},
                   "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
@@ -59,6 +60,7 @@ VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_ge
                   "jax_bf16_lm_head_pallas": {"lm_head": "pallas", "logits_dtype": "bfloat16"},
                   # c_proj's bf16 output gradient and bias sums from the kernels that make the gradient
                   "jax_bf16_c_proj": {"layer_norm": "pallas", "c_proj": "pallas"},
+                  "jax_bf16_gelu_recompute": {"gelu": "pallas-recompute"},  # pallas-gemm, h recomputed
                   # Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs, c_proj's gradient from
                   # them, bf16 logits (as torch.compile's autocast writes them):
                   # the program issue 32 predicts fastest (BENCHMARKS.md); the compare part measures it beside the

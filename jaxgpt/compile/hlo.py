@@ -191,7 +191,8 @@ class Rollup:
             if ins.opcode in FREE or ins.opcode.endswith("-done"):  # async "-done": the wait, no data moved
                 continue
             kernel = self._kernel(comp, ins, times, loop_depth)
-            self.kernels += self._pallas_gemm(comp, ins, kernel) if pallas_name(ins).startswith("gemm_") else [kernel]
+            self.kernels += self._pallas_gemm(comp, ins, kernel) if pallas_name(ins).startswith(("gemm_", "gemm2_")) \
+                else [kernel]
 
     # ---- one kernel -----------------------------------------------------------------------------------------
     def _operand_bytes(self, comp: str, ins: Instr) -> float:
@@ -283,23 +284,29 @@ class Rollup:
         result (M, N): 2 M N K FLOPs and those three arrays' bytes, the lhs's at the rhs's dtype) and its epilogue
         (every other operand and result, and what an lhs wider than the rhs adds: an fp32 gradient the kernel rounds
         as it reads it; bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the
-        epilogue's extra traffic."""
+        epilogue's extra traffic. A kernel named ``gemm2_<l1><l2>_*`` (``gemm2_ntnn_*``) holds two GEMMs onto the
+        same (M, N) tile: operands lhs_1, rhs_1, lhs_2, rhs_2 first, read as one GEMM of both's FLOPs and bytes."""
         name = pallas_name(ins)
         if name.startswith("gemm_ntsum_"):
             return self._pallas_sum_gemm(comp, ins, kernel, name)
-        layout = name[len("gemm_"):len("gemm_") + 2]
-        lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[:2])
+        two = name.startswith("gemm2_")
+        layouts = [name[6:8], name[8:10]] if two else [name[5:7]]
         out = ins.shapes[0]
-        m, k = lhs.dims if len(lhs.dims) == 2 else (0, 0)
-        want = {"nn": (k, out.dims[-1]), "nt": (out.dims[-1], k)}.get(layout)
-        if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != want:
-            raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* and takes (M, K) "
-                             f"and (K, N) (nn) or (N, K) (nt) operands first and writes (M, N) first, got {lhs}, {rhs} "
-                             f"-> {out}")
-        gemm = _gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
-        lhs_bytes = min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4))
-        return _gemm_and_epilogue(ins, kernel, 2.0 * out.elements * k, lhs_bytes + rhs.bytes + out.bytes, gemm,
-                                  rhs.dtype)
+        flops = nbytes = 0.0
+        for n, layout in enumerate(layouts):
+            lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[2 * n:2 * n + 2])
+            m, k = lhs.dims if len(lhs.dims) == 2 else (0, 0)
+            want = {"nn": (k, out.dims[-1]), "nt": (out.dims[-1], k)}.get(layout)
+            if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != want:
+                raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* (gemm2_ and two "
+                                 "layouts: two GEMMs) and takes (M, K) and (K, N) (nn) or (N, K) (nt) operands first "
+                                 f"and writes (M, N) first, got {lhs}, {rhs} -> {out}")
+            if n == 0:
+                gemm = _gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
+                dtype = rhs.dtype
+            flops += 2.0 * out.elements * k
+            nbytes += min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4)) + rhs.bytes
+        return _gemm_and_epilogue(ins, kernel, flops, nbytes + out.bytes, gemm, dtype)
 
     def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
         """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
