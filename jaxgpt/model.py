@@ -148,6 +148,16 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
     return policy.einsum("bhts,bhsd->bthd", probs, v)
 
 
+class Residual(NamedTuple):
+    """The residual stream ``x`` with a block's MLP output ``add`` not added yet (``Policy.layer_norm = "pallas"`` where
+    its kernels run):
+    the next block's ln_1 adds it in its kernel (:meth:`LayerNorm.branch`'s ``add``), as ln_2 adds the attention's,
+    where XLA would add it in a pass of its own; GPT.hidden adds the last block's before ln_f."""
+
+    x: Float[Array, "batch seq embed"]
+    add: Float[Array, "batch seq embed"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Projection:
     """A Linear's output not computed yet (``Policy.c_proj = "pallas"``): its input and the layer.
@@ -383,15 +393,21 @@ class Block(nnx.Module):
                               impl=policy.layer_norm, gemm_dtype=gemm)
         self.mlp = MLP(config, policy=policy, rngs=rngs)
 
-    def __call__(self, x: Float[Array, "batch seq embed"], *, cache=None, layer=0, pos=0, dropout_key=None):
+    def __call__(self, x: Float[Array, "batch seq embed"] | Residual, *, cache=None, layer=0, pos=0,
+                 dropout_key=None) -> tuple[Float[Array, "batch seq embed"] | Residual, KVCache | None]:
+        """``x + attn(ln_1(x))``, then ``+ mlp(ln_2(...))``; under layer_norm: pallas where its kernels run (GPUs) the
+        last add is left to the next block's ln_1 (a :class:`Residual` in and out)."""
         attn_key, mlp_key = _split(dropout_key, 2)
+        x, pending = (x.x, x.add) if isinstance(x, Residual) else (x, None)
         # branch(x) is (x, ln(x)): under layer_norm: pallas its backward also adds the residual stream's gradient
         # and ln_1 hands the attention one copy of ln(x) per GEMM that reads it, whose gradients its backward sums
-        x, *h = self.ln_1.branch(x, copies=self.attn.gemms)
+        x, *h = self.ln_1.branch(x, copies=self.attn.gemms, add=pending)  # x + the previous block's MLP output
         a, cache = self.attn(h, cache=cache, layer=layer, pos=pos, dropout_key=attn_key)
         x, h = self.ln_2.branch(x, add=a)  # x + a: the residual stream stays fp32
-        x = x + self.mlp(h, dropout_key=mlp_key)
-        return x, cache
+        m = self.mlp(h, dropout_key=mlp_key)
+        if self.ln_1.impl == "pallas" and norm.runs_kernels() and x.dtype == m.dtype == jnp.float32:
+            return Residual(x, m), cache  # the next ln_1's forward kernel adds it (XLA's add elsewhere, as before)
+        return x + m, cache
 
 
 class GPT(nnx.Module):
@@ -431,6 +447,8 @@ class GPT(nnx.Module):
         x = dropout(x, self.config.dropout, keys[-1])
         for i, block in enumerate(self.h):
             x, cache = block(x, cache=cache, layer=i, pos=pos, dropout_key=keys[i])
+        if isinstance(x, Residual):  # the last block's MLP output (layer_norm: pallas)
+            x = x.x + x.add
         return self.ln_f(x), cache
 
     def logits(self, h: Float[Array, "batch seq embed"], *, head: Float[Array, "vocab_rows embed"] | None = None

@@ -321,6 +321,12 @@ def _resolve(backward: Backward) -> Backward:
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
+def runs_kernels() -> bool:
+    """Whether :func:`layer_norm_branch` (backward "auto") runs the Pallas kernels here (GPUs; tests that force them),
+    not XLA's passes: where a residual add handed to its forward kernel saves a pass."""
+    return _resolve("auto") != "xla"
+
+
 LinearArgs = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
 
 

@@ -293,7 +293,7 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-recompute")
     with pytest.raises(ConfigError, match="'pallas-gemm', 'pallas-recompute'"):
         Policy(gelu="recompute")
-    cs, ks, kp = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
     cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
     two = [k for k in ks if "gemm2_ntnn_gelu_backward" in k.op_name and k.gemm]

@@ -310,7 +310,8 @@ def test_policy_field_and_train_config():
 def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_micro_step():
     """The tiny step compiled for the H100 under layer_norm=pallas: two Pallas Triton custom calls (forward and
     backward) per block LayerNorm (4 per layer) and micro-step, in LayerNorm's category, priced as a fusion at the
-    least efficient measured fusion rate; every GEMM of a class the calibration measured."""
+    least efficient measured fusion rate; every GEMM of a class the calibration measured; the residual adds in the
+    forward kernels but the last block's."""
     from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
 
     if PLUGIN_PROBLEM is not None:
@@ -336,6 +337,10 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
     # ln_1's), and both write ln(x) in bf16 (half an fp32 array): no XLA pass adds, converts or takes the statistics
     ln_1 = min(k.bytes for k in fwd)
     assert sorted({k.bytes for k in fwd}) == [ln_1, ln_1 + 2 * rows_embed]
+    # every ln_2 and every ln_1 but the first block's adds a branch: the MLP's output is left to the next ln_1's
+    # kernel (model.Residual), so one XLA residual add is left, the last block's, before ln_f
+    assert sum(k.bytes > ln_1 for k in fwd) == 2 * cs.cfg.model.n_layer - 1
+    assert len([k for k in ks if k.op_name.endswith("jvp()/add") and k.bytes >= 3 * rows_embed]) == 1
     assert ln_1 == rows_embed * 3 // 2 + 2 * 4 * cs.micro_batch * cs.cfg.seq_len + 2 * 4 * cs.cfg.model.n_embd
     assert [k.name for k in ks if k.op_name.endswith("add_any") and k.category != "GELU"] == []
     cal = calibrated.for_target("h100-sxm")

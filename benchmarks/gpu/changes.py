@@ -136,6 +136,16 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
     ("the fastest set with gelu=pallas-recompute instead of pallas-gemm (the least memory of the fast settings)",
      ("layer_norm=pallas gelu=pallas-recompute qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
       "logits_dtype=bfloat16"), {"b64": "combined-fast-recompute-b64"}),
+    (("LayerNorm kernel: ln_1's forward kernel adds the previous block's MLP output to the residual stream, as ln_2's "
+      "adds the attention's (the Block hands the sum on unmade, model.Residual, where the kernels run): 11 XLA adds "
+      "of 604 MB per b64 step gone, the kernels reading the two arrays instead of one. The same values"),
+     "layer_norm=pallas", {"b64": "layernorm-pallas-resid-b64", "b16": "layernorm-pallas-resid-b16",
+                           "yaml": "layernorm-pallas-resid-gpt2-124m"}),
+    ("the fastest set predicted, with ln_1 adding the MLP's output (bench variant jax_bf16_fast, without the grouped "
+     "norm)",
+     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+      "logits_dtype=bfloat16"), {"b64": "combined-fast-resid-b64", "b16": "combined-fast-resid-b16",
+                                 "yaml": "combined-fast-resid-gpt2-124m"}),
 ]
 
 
