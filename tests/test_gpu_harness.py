@@ -74,7 +74,7 @@ def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():
     assert set(VARIANT_POLICY) <= set(gpu_bench.OPT_IN_VARIANTS)
 
 
-@pytest.mark.slow  # 64-80 s on 2 cores (5 variants trained through the worker); the default variant's dry run covers
+@pytest.mark.slow  # ~3.5 min on 2 cores (12 variants trained through the worker); the default variant's dry run covers
 def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):  # the same worker code path
     """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with the Pallas GELU backward) run
     through the GPU worker (dry: the CPU, a tiny batch), so the next lent GPU measures them beside jax_bf16 with
