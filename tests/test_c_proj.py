@@ -120,12 +120,9 @@ def test_mlp_gradient_gemm_rounds_and_sums_an_fp32_output_gradient():
 def test_mlp_with_the_bias_folded_in_is_the_mlp_plus_the_bias(impl):
     """gelu_gemm.mlp(b_proj=b, fold=True) against mlp(...) + b, values and gradients: bit for bit but c_proj's bias
     gradient (XLA's path: bit for bit too), which lies within the bound of the sum of the output gradient."""
-    r = np.random.default_rng(4)
-    rows, d, f = 168, 48, 96
-    x = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
-    wf, wp = (jnp.asarray(r.standard_normal(sh) / 8, jnp.float32) for sh in ((d, f), (f, d)))
-    bf, bp = (jnp.asarray(r.standard_normal(n) / 8, jnp.float32) for n in (f, d))
-    ct = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+    from tests.test_gelu_gemm import mlp_inputs
+
+    x, wf, bf, wp, bp, ct = mlp_inputs(seed=4)
 
     def folded(x, wf, bf, wp, bp):
         return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp, fold=True)

@@ -234,6 +234,15 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
 
 
 # ---- gelu: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
+def mlp_inputs(seed: int, rows: int = 168, d: int = 48, f: int = 96):
+    """fp32 (x, w_fc, b_fc, w_proj, b_proj, output cotangent) of an MLP on 168 rows (two 128-row tiles, one ragged)."""
+    r = np.random.default_rng(seed)
+    x = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+    wf, wp = (jnp.asarray(r.standard_normal(sh) / 8, jnp.float32) for sh in ((d, f), (f, d)))
+    bf, bp = (jnp.asarray(r.standard_normal(n) / 8, jnp.float32) for n in (f, d))
+    return x, wf, bf, wp, bp, jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+
+
 @pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
 def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
     """proj_gemm_gelu_backward(fc=(x, w_fc, b_fc)) (interpreted) against the same kernel handed the forward kernel's h:
@@ -264,12 +273,7 @@ def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
 def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
     """gelu_gemm.mlp(recompute=True) against recompute=False, values and every gradient bit for bit, on XLA's path
     and the kernels' (interpreted), with c_proj's bias folded in or not."""
-    r = np.random.default_rng(7)
-    rows, d, f = 168, 48, 96
-    x = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
-    wf, wp = (jnp.asarray(r.standard_normal(sh) / 8, jnp.float32) for sh in ((d, f), (f, d)))
-    bf, bp = (jnp.asarray(r.standard_normal(n) / 8, jnp.float32) for n in (f, d))
-    ct = jnp.asarray(r.standard_normal((rows, d)), jnp.float32)
+    x, wf, bf, wp, bp, ct = mlp_inputs(seed=7)
     outs = []
     for recompute in (False, True):
         def run(x, wf, bf, wp, bp, recompute=recompute):
