@@ -149,10 +149,9 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 
 
 class Residual(NamedTuple):
-    """The residual stream ``x`` with a block's MLP output ``add`` not added yet (``Policy.layer_norm = "pallas"`` where
-    its kernels run):
-    the next block's ln_1 adds it in its kernel (:meth:`LayerNorm.branch`'s ``add``), as ln_2 adds the attention's,
-    where XLA would add it in a pass of its own; GPT.hidden adds the last block's before ln_f."""
+    """The residual stream ``x`` with a block's MLP output ``add`` not added yet (``Policy.layer_norm = "pallas"``,
+    where its kernels run): the next block's ln_1 adds it in its kernel (:meth:`LayerNorm.branch`'s ``add``), as ln_2
+    adds the attention's, where XLA would add it in a pass of its own; GPT.hidden adds the last block's before ln_f."""
 
     x: Float[Array, "batch seq embed"]
     add: Float[Array, "batch seq embed"]
@@ -220,16 +219,13 @@ class LayerNorm(nnx.Module):
         with jax.named_scope("layer_norm"):
             bias = self.bias[...] if self.bias is not None else None
             rows = (-1, x.shape[-1])
-            if proj is None:
-                x_out, *ys = norm.layer_norm_branch(x.reshape(rows), self.scale[...], bias, eps=self.eps,
-                                                    copies=copies, add=None if add is None else add.reshape(rows),
-                                                    dtype=self.gemm_dtype)
-            else:
-                layer = proj.layer
-                x_out, *ys = norm.layer_norm_branch(
-                    x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies, dtype=layer.policy.dtype,
-                    proj=(proj.x.reshape(-1, proj.x.shape[-1]), layer.kernel[...],
-                          None if layer.bias is None else layer.bias[...]), precision=layer.policy.lax_precision)
+            linear = None if proj is None else (proj.x.reshape(-1, proj.x.shape[-1]), proj.layer.kernel[...],
+                                                None if proj.layer.bias is None else proj.layer.bias[...])
+            x_out, *ys = norm.layer_norm_branch(
+                x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies,
+                add=None if add is None else add.reshape(rows), proj=linear,
+                dtype=self.gemm_dtype if proj is None else proj.layer.policy.dtype,
+                precision=None if proj is None else proj.layer.policy.lax_precision)
             return (x_out.reshape(x.shape), *(y.reshape(x.shape) for y in ys))
 
 
