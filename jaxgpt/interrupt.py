@@ -14,9 +14,10 @@ the line says so. A failed write (a full disk: :class:`jaxgpt.diskspace.WriteFai
 
 After the line the process ends with ``os._exit``: a normal interpreter shutdown with XLA's compiler threads still
 running can crash (SIGSEGV) after the message was printed. A Ctrl-C that library code swallowed (JAX's garbage
-collection callback would print ``Exception ignored in: ... KeyboardInterrupt`` and carry on) is delivered again
-a moment later, to the tool's own code; and the handler records every SIGINT, so a tool that returns normally
-after one exits 130 too.
+collection callback would print ``Exception ignored in: ... KeyboardInterrupt`` and carry on; JAX's plugin start-up
+logs it with its traceback, :data:`SWALLOWING_LOGGERS`, where that record is dropped) is delivered again a moment
+later, to the tool's own code; and the handler records every SIGINT, so a tool that returns normally after one
+exits 130 too.
 
 But Python runs a signal handler only when the main thread returns to Python, and an XLA compilation (seconds
 here, half a minute for GPT-2 compiled for an H100) does not; when it does return, the ``KeyboardInterrupt`` may
@@ -32,6 +33,7 @@ say so: they keep the main thread's handling alone; ``jaxgpt.train`` has its own
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -43,6 +45,9 @@ from typing import Any, NoReturn
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a job ended by Ctrl-C
 HANDLER_GRACE_S = 1.0  # watch=True: the main thread's handler's time to take a Ctrl-C before the watcher acts
 EXIT_GRACE_S = 3.0  # ... and, once it has, the time the tool may take to reach its exit
+# loggers of library code that swallows an exception with a bare ``except:`` and logs it with its traceback (JAX's
+# plugin start-up: a Ctrl-C while the CUDA plugin loads its libraries, seen on CI, printed a traceback before the line)
+SWALLOWING_LOGGERS = ("jax._src.xla_bridge",)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -79,6 +84,18 @@ class _SigintSeen:
             previous(info)
 
         return hook
+
+    def swallowed(self, record: logging.LogRecord) -> bool:
+        """A logging filter for :data:`SWALLOWING_LOGGERS`: a record of the Ctrl-C's KeyboardInterrupt, which the
+        library swallowed, is not printed (the tool's line says it), and SIGINT is sent again a moment later so that
+        the tool's own code is interrupted, as for :meth:`unraisable`; every other record passes."""
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, KeyboardInterrupt) and self.raising:
+            timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
+            return False
+        return True
 
 
 class _Watcher:
@@ -192,6 +209,8 @@ def run_cli(main: Callable[[], int] | str, prog: str, *, left: str = "nothing wa
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, seen)
         sys.unraisablehook = seen.unraisable(sys.unraisablehook)
+        for name in SWALLOWING_LOGGERS:
+            logging.getLogger(name).addFilter(seen.swallowed)
         if watch:
             _Watcher(seen, interrupted, left).install()
 

@@ -510,6 +510,33 @@ run_cli(main, "tool")
                                                "end (its exit status would have been 0)")
 
 
+@pytest.mark.parametrize("watch", [False, True])
+def test_a_ctrl_c_that_jax_s_plugin_start_up_swallowed_and_logged_is_one_line(tmp_path, watch):
+    """JAX's plugin start-up swallows the Ctrl-C (bare ``except:``, here while the CUDA plugin loads its libraries:
+    seen on CI) and logs it with its traceback: that record is not printed, and the Ctrl-C is delivered again, so
+    the tool stops at once with its one line and exit 130 (watched or not)."""
+    proc, out, err = run_cli_script(tmp_path, f"""
+import logging
+
+def main():
+    try:
+        sys.stderr.write("loading plugin\\n"); sys.stderr.flush()
+        time.sleep(10)
+    except:  # noqa: E722 (as jax._src.xla_bridge.discover_pjrt_plugins)
+        logging.getLogger("jax._src.xla_bridge").exception("Jax plugin configuration error: Exception when calling "
+                                                           "jax_plugins.xla_cuda12.initialize()")
+    logging.getLogger("jax._src.xla_bridge").error("a record without a Ctrl-C passes")
+    time.sleep(10)
+    print("finished")
+    return 0
+
+run_cli(main, "tool", watch={watch})
+""", ready="loading plugin")
+    assert proc.returncode == 130 and "finished" not in out, err
+    assert one_interrupt_line(err, "tool") == "tool: interrupted (Ctrl-C); nothing was written"
+    assert "a record without a Ctrl-C passes" in err and "Jax plugin configuration error" not in err
+
+
 def test_a_ctrl_c_during_the_tool_s_imports_is_one_line(tmp_path):
     """run_cli imports the tool ("module:main"); a Ctrl-C during that import waits for it (an interrupted import
     of a compiled extension fails oddly or crashes), then exits 130 with the one line, main never run."""
