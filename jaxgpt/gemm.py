@@ -119,29 +119,41 @@ def _bias_cast_kernel(x_ref, w_ref, b_ref, y_ref, *, bk: int):
 
 
 def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], b: Float[Array, " d_out"] | None, *,
-                   out_dtype=jnp.bfloat16, interpret: bool = False, block: tuple[int, int, int] | None = None
-                   ) -> Float[Array, "rows d_out"]:
+                   out_dtype=jnp.bfloat16, interpret: bool = False, block: tuple[int, int, int] | None = None,
+                   column_block: tuple[int, int] | None = None) -> Float[Array, "rows d_out/blocks"]:
     """``x @ w + b`` with bf16 operands, fp32 accumulation and bias add, rounded once to ``out_dtype``, as one Pallas
-    Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend)."""
+    Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend). ``column_block=(s, count)``: only the s-th
+    of ``w``'s and ``b``'s ``count`` equal column blocks (q, k or v of the attention's c_attn), read in place where
+    the block is whole tiles (no slice of the weight is copied first); the same values as the kernel on the slice."""
     from jax.experimental import pallas as pl
 
     check("gemm_bias_cast", {"x": (x, jnp.bfloat16, "(rows, d_in)"), "w": (w, jnp.bfloat16, "(d_in, d_out)")},
           QKV_FIX)
-    (m, k), n = x.shape, w.shape[1]
-    if w.shape[0] != k or (b is not None and b.shape != (n,)):
+    (m, k), width = x.shape, w.shape[1]
+    if w.shape[0] != k or (b is not None and b.shape != (width,)):
         raise GemmKernelError(f"gemm_bias_cast: x {tuple(x.shape)}, w {tuple(w.shape)} and bias "
                               f"{None if b is None else tuple(b.shape)} do not chain: want (rows, d_in), "
                               "(d_in, d_out), (d_out,)")
+    s, count = column_block or (0, 1)
+    if not 0 <= s < count or width % count:
+        raise GemmKernelError(f"gemm_bias_cast: column_block {column_block} of w's {width} columns: want (s, count) "
+                              "with 0 <= s < count and count dividing the columns")
+    n = width // count
     bm, bn, bk = blocks(m, n, k, block)
-    b2 = (jnp.zeros((n,), jnp.float32) if b is None else b.astype(jnp.float32))[None, :]
+    if count > 1 and n % bn:  # the block is not whole tiles: its slice, zero-padded
+        return gemm_bias_cast(x, w[:, s * n:(s + 1) * n], None if b is None else b[s * n:(s + 1) * n],
+                              out_dtype=out_dtype, interpret=interpret, block=block)
+    offset = s * n // bn  # the block's first column tile in w
+    b2 = (jnp.zeros((width,), jnp.float32) if b is None else b.astype(jnp.float32))[None, :]
     xp, wp, bp = pad_to(x, bm, bk), pad_to(w, bk, bn), pad_to(b2, 1, bn)
-    (mp, kp), np_ = xp.shape, wp.shape[1]
+    mp, kp = xp.shape
+    np_ = wp.shape[1] // count
     y = pl.pallas_call(
         partial(_bias_cast_kernel, bk=bk),
         out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         grid=grid(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((kp, bn), lambda j, i: (0, j)),
-                  pl.BlockSpec((1, bn), lambda j, i: (0, j))],
+        in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((kp, bn), lambda j, i: (0, j + offset)),
+                  pl.BlockSpec((1, bn), lambda j, i: (0, j + offset))],
         out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
         interpret=interpret, name="gemm_nn_bias_cast", **compiler_params(interpret))(xp, wp, bp)
     return y[:m, :n] if (mp, np_) != (m, n) else y

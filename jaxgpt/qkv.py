@@ -11,13 +11,13 @@ moves, around those GEMMs:
 * backward: each projection's input-gradient GEMM writes its fp32 dx (201 MB), and the LayerNorm kernel reads the
   three (one copy of ln(x) per GEMM, so each gradient is an array of its own; XLA's add of three was a pass).
 
-Here :func:`jaxgpt.gemm.gemm_bias_cast` writes each bf16 projection directly, and the backward's input gradient is
-one GEMM over the three gradients (:func:`jaxgpt.gemm.gemm_sum_nt`: ``[dq dk dv] @ W_attn^T`` without the
-concatenation, one fp32 accumulation over the 2,304 columns, as the CPU's single c_attn GEMM does), so LayerNorm
-hands this op one ln(x) and reads one gradient; the same kernel sums the bias gradient's columns from the bf16
-gradients it reads anyway (XLA read each again: 36 passes of 101 MB at b64). ``dW`` is XLA's (per block, laid out
-as :func:`jaxgpt.ops._matmul2d_bwd` lays them out). The values are the plain path's but for the order of fp32 sums.
-On CPUs and with fp32 compute nothing here runs: the model takes its plain path.
+Here :func:`jaxgpt.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of W_attn
+in place), and the backward's input gradient is one GEMM over the three gradients (:func:`jaxgpt.gemm.gemm_sum_nt`:
+``[dq dk dv] @ W_attn^T`` without the concatenation, one fp32 accumulation over the 2,304 columns, as the CPU's
+single c_attn GEMM does), so LayerNorm hands this op one ln(x) and reads one gradient; the same kernel sums the
+bias gradient's columns from the bf16 gradients it reads anyway (XLA read each again: 36 passes of 101 MB at b64).
+``dW`` is XLA's (per block, laid out as :func:`jaxgpt.ops._matmul2d_bwd` lays them out). The values are the plain
+path's but for the order of fp32 sums. On CPUs and with fp32 compute nothing here runs: the model takes its plain path.
 """
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ def _projections(x, w, b, n, dtype, precision, impl):
 
 def _projections_fwd(x, w, b, n, dtype, precision, impl):
     xc, wc = x.astype(dtype), w.astype(dtype)
-    ys = []
-    for wi, bi in zip(*_blocks(wc, b, n), strict=True):
-        if impl == "xla":
+    if impl == "xla":
+        ys = []
+        for wi, bi in zip(*_blocks(wc, b, n), strict=True):
             y = ops._dot(xc, wi, dtype, precision)
             ys.append((y + bi if bi is not None else y).astype(dtype))
-        else:
-            ys.append(gemm.gemm_bias_cast(xc, wi, bi, out_dtype=dtype, interpret=impl == "interpret"))
+    else:  # each kernel reads its column block of W and b in place (slicing them was 6 copy kernels per layer)
+        ys = [gemm.gemm_bias_cast(xc, wc, b, out_dtype=dtype, interpret=impl == "interpret", column_block=(s, n))
+              for s in range(n)]
     return tuple(ys), (xc, wc, jnp.zeros((), x.dtype), None if b is None else jnp.zeros((), b.dtype))
 
 

@@ -41,6 +41,26 @@ def test_bias_cast_kernel_against_the_truth_and_xla(m, k, n, block):
     _check("fp32 y", y32, _f64(x) @ _f64(w), _gamma(k) * (absw - np.abs(_f64(b))) + 1e-30)
 
 
+@pytest.mark.parametrize("n, block", [(96, SMALL), (90, SMALL)], ids=["whole-tiles", "ragged-block"])
+def test_a_column_block_read_in_place_is_the_kernel_on_its_slice(n, block):
+    """column_block=(s, 3): the s-th third of w and b, read in place where a third is whole tiles (96 = 3 x 32: the
+    q, k, v case) and sliced first where it is not (90: 30 columns, padded): bit for bit the kernel on the slice,
+    with or without a bias."""
+    x, w, b = _fwd_inputs(40, 48, n)
+    third = n // 3
+    for s in range(3):
+        cols = slice(s * third, (s + 1) * third)
+        for bias, bias_slice in ((b, b[cols]), (None, None)):
+            got = gemm.gemm_bias_cast(x, w, bias, interpret=True, block=block, column_block=(s, 3))
+            want = gemm.gemm_bias_cast(x, w[:, cols], bias_slice, interpret=True, block=block)
+            assert got.shape == (40, third)
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(gemm.GemmKernelError, match=r"column_block \(3, 3\).*0 <= s < count"):
+        gemm.gemm_bias_cast(x, w, b, interpret=True, column_block=(3, 3))
+    with pytest.raises(gemm.GemmKernelError, match="count dividing the columns"):
+        gemm.gemm_bias_cast(x, w, b, interpret=True, column_block=(0, 7))
+
+
 def test_sum_kernel_against_the_truth():
     """gemm_sum_nt: the sum of three lhs blocks' products with b's column blocks, one fp32 accumulation over their
     widths, within gamma_K sum |a| |b| of the fp64 concat(a) @ b^T (K = 96: 32 per block); the column sums of
@@ -165,7 +185,7 @@ def test_policy_field_and_train_config():
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts():
     """The tiny step compiled for the H100 under qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
-    bf16 in the epilogue) and one backward (the input gradient of all three), each read as a GEMM at the least
+    bf16 in the epilogue, each reading its column block of W_attn in place) and one backward (the input gradient of all three), each read as a GEMM at the least
     efficient measured GEMM rate, with the plain program's GEMM FLOPs in all; the convert passes in attention's scope
     are gone, and the step moves fewer bytes."""
     cs, ks, kp = tiny_h100.kernels_beside_plain(("qkv=pallas",))
@@ -177,6 +197,8 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts
     assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kp), rel=1e-4)
     assert [k for k in kp if k.category == "attention: casts, layout"]
     assert not [k for k in ks if k.category == "attention: casts, layout"]
+    # the forward kernels read q's, k's and v's columns of W_attn and b_attn in place: nothing splits them first
+    assert not [k for k in ks if k.op_name.endswith("/split")], [k.name for k in ks if k.op_name.endswith("/split")]
     assert sum(k.bytes * k.count for k in ks) < sum(k.bytes * k.count for k in kp)
     cal, worst = tiny_h100.slowest("gemm")
     assert all(cal.rate(k) == (worst, False) for k in pallas)

@@ -285,28 +285,34 @@ class Rollup:
         (every other operand and result, and what an lhs wider than the rhs adds: an fp32 gradient the kernel rounds
         as it reads it; bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the
         epilogue's extra traffic. A kernel named ``gemm2_<l1><l2>_*`` (``gemm2_ntnn_*``) holds two GEMMs onto the
-        same (M, N) tile: operands lhs_1, rhs_1, lhs_2, rhs_2 first, read as one GEMM of both's FLOPs and bytes."""
+        same (M, N) tile: operands lhs_1, rhs_1, lhs_2, rhs_2 first, read as one GEMM of both's FLOPs and bytes. An nn
+        rhs of c N columns (c > 1) is one of its c column blocks read in place (``gemm_bias_cast(column_block=)``:
+        q, k or v of c_attn's weight): the block's bytes are the GEMM's, the other columns are not read."""
         name = pallas_name(ins)
         if name.startswith("gemm_ntsum_"):
             return self._pallas_sum_gemm(comp, ins, kernel, name)
         two = name.startswith("gemm2_")
         layouts = [name[6:8], name[8:10]] if two else [name[5:7]]
         out = ins.shapes[0]
-        flops = nbytes = 0.0
+        flops = nbytes = unread = 0.0
         for n, layout in enumerate(layouts):
             lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[2 * n:2 * n + 2])
             m, k = lhs.dims if len(lhs.dims) == 2 else (0, 0)
             want = {"nn": (k, out.dims[-1]), "nt": (out.dims[-1], k)}.get(layout)
-            if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != want:
+            blocks = rhs.dims[1] // out.dims[-1] if layout == "nn" and len(rhs.dims) == len(out.dims) == 2 and \
+                out.dims[-1] and rhs.dims[1] % out.dims[-1] == 0 else 1
+            if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != (want[0], want[1] * blocks):
                 raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* (gemm2_ and two "
-                                 "layouts: two GEMMs) and takes (M, K) and (K, N) (nn) or (N, K) (nt) operands first "
-                                 f"and writes (M, N) first, got {lhs}, {rhs} -> {out}")
+                                 "layouts: two GEMMs) and takes (M, K) and (K, N) (nn, or (K, c N): a column block) or "
+                                 f"(N, K) (nt) operands first and writes (M, N) first, got {lhs}, {rhs} -> {out}")
             if n == 0:
                 gemm = _gemm_class("pallas", rhs.dtype, out.dtype, [2, 2], [1], [0] if layout == "nn" else [1])
                 dtype = rhs.dtype
             flops += 2.0 * out.elements * k
-            nbytes += min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4)) + rhs.bytes
-        return _gemm_and_epilogue(ins, kernel, flops, nbytes + out.bytes, gemm, dtype)
+            nbytes += min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4)) + rhs.bytes / blocks
+            unread += rhs.bytes * (blocks - 1) / blocks
+        return _gemm_and_epilogue(ins, dataclasses.replace(kernel, bytes=kernel.bytes - unread), flops,
+                                  nbytes + out.bytes, gemm, dtype)
 
     def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
         """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
