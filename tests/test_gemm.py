@@ -197,8 +197,13 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts
     assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kp), rel=1e-4)
     assert [k for k in kp if k.category == "attention: casts, layout"]
     assert not [k for k in ks if k.category == "attention: casts, layout"]
-    # the forward kernels read q's, k's and v's columns of W_attn and b_attn in place: nothing splits them first
+    # the forward kernels read q's, k's and v's columns of W_attn and b_attn in place: nothing splits them first,
+    # and the reader counts the block's bytes as the GEMM's (bf16 x (M, C), its (C, C) block of W, y (M, C)), not
+    # all of W's: 2 (M C + C C + M C) bytes for 2 M C C FLOPs
     assert not [k for k in ks if k.op_name.endswith("/split")], [k.name for k in ks if k.op_name.endswith("/split")]
+    c = cs.cfg.model.n_embd
+    fwd = [k for k in pallas if k.category == "matmuls fwd"]
+    assert all(k.bytes == pytest.approx(2 * k.flops / c + 2 * c * c) for k in fwd), [(k.bytes, k.flops) for k in fwd]
     assert sum(k.bytes * k.count for k in ks) < sum(k.bytes * k.count for k in kp)
     cal, worst = tiny_h100.slowest("gemm")
     assert all(cal.rate(k) == (worst, False) for k in pallas)
