@@ -124,7 +124,9 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
     """``x @ w + b`` with bf16 operands, fp32 accumulation and bias add, rounded once to ``out_dtype``, as one Pallas
     Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend). ``column_block=(s, count)``: only the s-th
     of ``w``'s and ``b``'s ``count`` equal column blocks (q, k or v of the attention's c_attn), read in place where
-    the block is whole tiles (no slice of the weight is copied first); the same values as the kernel on the slice."""
+    the block and K are whole tiles (no slice of the weight is copied first; the kernel is then named
+    ``gemm_nn_colblock_*``, which the HLO reader reads as a column block); the same values as the kernel on the
+    slice."""
     from jax.experimental import pallas as pl
 
     check("gemm_bias_cast", {"x": (x, jnp.bfloat16, "(rows, d_in)"), "w": (w, jnp.bfloat16, "(d_in, d_out)")},
@@ -140,7 +142,7 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
                               "with 0 <= s < count and count dividing the columns")
     n = width // count
     bm, bn, bk = blocks(m, n, k, block)
-    if count > 1 and n % bn:  # the block is not whole tiles: its slice, zero-padded
+    if count > 1 and (n % bn or k % bk):  # not whole tiles (w would be padded, a copy): the block's slice, padded
         return gemm_bias_cast(x, w[:, s * n:(s + 1) * n], None if b is None else b[s * n:(s + 1) * n],
                               out_dtype=out_dtype, interpret=interpret, block=block)
     offset = s * n // bn  # the block's first column tile in w
@@ -155,7 +157,8 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
         in_specs=[pl.BlockSpec((bm, kp), lambda j, i: (i, 0)), pl.BlockSpec((kp, bn), lambda j, i: (0, j + offset)),
                   pl.BlockSpec((1, bn), lambda j, i: (0, j + offset))],
         out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
-        interpret=interpret, name="gemm_nn_bias_cast", **compiler_params(interpret))(xp, wp, bp)
+        interpret=interpret, name="gemm_nn_colblock_bias_cast" if count > 1 else "gemm_nn_bias_cast",
+        **compiler_params(interpret))(xp, wp, bp)
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
 

@@ -90,7 +90,7 @@ class _SigintSeen:
         library swallowed, is not printed (the tool's line says it), and SIGINT is sent again a moment later so that
         the tool's own code is interrupted, as for :meth:`unraisable`; every other record passes."""
         error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, KeyboardInterrupt) and self.raising:
+        if isinstance(error, KeyboardInterrupt) and self.raising and self.count:
             timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))
             timer.daemon = True
             timer.start()

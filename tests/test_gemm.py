@@ -41,12 +41,15 @@ def test_bias_cast_kernel_against_the_truth_and_xla(m, k, n, block):
     _check("fp32 y", y32, _f64(x) @ _f64(w), _gamma(k) * (absw - np.abs(_f64(b))) + 1e-30)
 
 
-@pytest.mark.parametrize("n, block", [(96, SMALL), (90, SMALL)], ids=["whole-tiles", "ragged-block"])
-def test_a_column_block_read_in_place_is_the_kernel_on_its_slice(n, block):
-    """column_block=(s, 3): the s-th third of w and b, read in place where a third is whole tiles (96 = 3 x 32: the
-    q, k, v case) and sliced first where it is not (90: 30 columns, padded): bit for bit the kernel on the slice,
-    with or without a bias."""
-    x, w, b = _fwd_inputs(40, 48, n)
+@pytest.mark.parametrize("k, n, block", [(48, 96, SMALL), (48, 96, (32, 16, 16)), (48, 90, SMALL),
+                                         (40, 96, (32, 16, 16))],
+                         ids=["one-tile-blocks", "two-tile-blocks", "ragged-block", "ragged-k"])
+def test_a_column_block_read_in_place_is_the_kernel_on_its_slice(k, n, block):
+    """column_block=(s, 3): the s-th third of w and b, read in place where a third and K are whole tiles (96 = 3 x
+    32: one tile of 32 per third, or two of 16, the block's first tile at 2 s: the q, k, v case has six of 128) and
+    sliced first where they are not (90: 30 columns; K 40 in steps of 16: padded): bit for bit the kernel on the
+    slice, with or without a bias."""
+    x, w, b = _fwd_inputs(40, k, n)
     third = n // 3
     for s in range(3):
         cols = slice(s * third, (s + 1) * third)
@@ -204,6 +207,16 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts
     c = cs.cfg.model.n_embd
     fwd = [k for k in pallas if k.category == "matmuls fwd"]
     assert all(k.bytes == pytest.approx(2 * k.flops / c + 2 * c * c) for k in fwd), [(k.bytes, k.flops) for k in fwd]
+    # ... each taking the whole (C, 3 C) bf16 weight and (1, 3 C) bias as its operands (no slice made before it)
+    from jaxgpt.compile import hlo
+
+    m = hlo.Module(cs.hlo_text())
+    calls = [(comp, i) for comp, instrs in m.computations.items() for i in instrs
+             if hlo.pallas_name(i).startswith("gemm_nn_colblock_")]
+    assert len(calls) == 3 * layers
+    for comp, i in calls:
+        w_op, b_op = (m.instr_shape(comp, o)[0] for o in i.operands[1:3])
+        assert (w_op.dtype, w_op.dims, b_op.dims) == ("bf16", (c, 3 * c), (1, 3 * c)), (w_op, b_op)
     assert sum(k.bytes * k.count for k in ks) < sum(k.bytes * k.count for k in kp)
     cal, worst = tiny_h100.slowest("gemm")
     assert all(cal.rate(k) == (worst, False) for k in pallas)

@@ -285,9 +285,10 @@ class Rollup:
         (every other operand and result, and what an lhs wider than the rhs adds: an fp32 gradient the kernel rounds
         as it reads it; bytes only). Priced apart, one after the other, they cost what the GEMM alone would plus the
         epilogue's extra traffic. A kernel named ``gemm2_<l1><l2>_*`` (``gemm2_ntnn_*``) holds two GEMMs onto the
-        same (M, N) tile: operands lhs_1, rhs_1, lhs_2, rhs_2 first, read as one GEMM of both's FLOPs and bytes. An nn
-        rhs of c N columns (c > 1) is one of its c column blocks read in place (``gemm_bias_cast(column_block=)``:
-        q, k or v of c_attn's weight): the block's bytes are the GEMM's, the other columns are not read."""
+        same (M, N) tile: operands lhs_1, rhs_1, lhs_2, rhs_2 first, read as one GEMM of both's FLOPs and bytes. A
+        kernel named ``gemm_nn_colblock_*`` (``gemm_bias_cast(column_block=)``: q, k or v of c_attn's weight) reads one
+        of its (K, c N) rhs's c column blocks in place, and of a (1, c N) operand after it (the bias) the same block:
+        the block's bytes are the GEMM's (or the epilogue's), the other columns are not read."""
         name = pallas_name(ins)
         if name.startswith("gemm_ntsum_"):
             return self._pallas_sum_gemm(comp, ins, kernel, name)
@@ -299,8 +300,9 @@ class Rollup:
             lhs, rhs = (self.m.instr_shape(comp, o)[0] for o in ins.operands[2 * n:2 * n + 2])
             m, k = lhs.dims if len(lhs.dims) == 2 else (0, 0)
             want = {"nn": (k, out.dims[-1]), "nt": (out.dims[-1], k)}.get(layout)
-            blocks = rhs.dims[1] // out.dims[-1] if layout == "nn" and len(rhs.dims) == len(out.dims) == 2 and \
-                out.dims[-1] and rhs.dims[1] % out.dims[-1] == 0 else 1
+            colblock = name.startswith("gemm_nn_colblock_") and len(rhs.dims) == len(out.dims) == 2 and \
+                out.dims[-1] and rhs.dims[1] % out.dims[-1] == 0
+            blocks = rhs.dims[1] // out.dims[-1] if colblock else 1
             if want is None or len(out.dims) != 2 or out.dims[0] != m or rhs.dims != (want[0], want[1] * blocks):
                 raise ValueError(f"{ins.name}: a Pallas GEMM ({name!r}) is named gemm_nn_* or gemm_nt_* (gemm2_ and two "
                                  "layouts: two GEMMs) and takes (M, K) and (K, N) (nn, or (K, c N): a column block) or "
@@ -311,6 +313,9 @@ class Rollup:
             flops += 2.0 * out.elements * k
             nbytes += min(lhs.bytes, lhs.elements * DTYPE_BYTES.get(rhs.dtype, 4)) + rhs.bytes / blocks
             unread += rhs.bytes * (blocks - 1) / blocks
+            if blocks > 1:  # the bias's other blocks
+                unread += sum(a.bytes * (blocks - 1) / blocks for o in ins.operands[2:]
+                              for a in self.m.instr_shape(comp, o) if a.dims == (1, rhs.dims[1]))
         return _gemm_and_epilogue(ins, dataclasses.replace(kernel, bytes=kernel.bytes - unread), flops,
                                   nbytes + out.bytes, gemm, dtype)
 
