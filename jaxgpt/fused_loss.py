@@ -31,6 +31,11 @@ CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (j
 # on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
 # vocabulary), and there is no cache to stay inside; see _chunk_rows
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
+# lm_head: pallas (GPUs; bf16 logits, the row max and sum of exp from the GEMM): 2 GiB of bf16 logits per chunk. Every
+# chunk is a loop step with its own fixed work (slices, the dW carry's read and write, the dh rows' copy); at gpt2
+# b16 the loss is one chunk, no loop (predicted -0.2 ms per step), at b64 four of 16,384 rows, where 16 of 4,096 were
+# (the chunk's bf16 logits and softmax gradient, 3.3 GB, against 0.8 GB: the step's memory is still <= 32 GiB)
+CE_CHUNK_ELEMENTS_LSE = 1 << 30
 # a chunk's fixed cost in rows of work, for _chunk_rows' choice between padded rows and more chunks: each chunk reads
 # the bf16 head and rewrites the fp32 dW (10 V C bytes) where a row costs its three GEMMs (6 V C FLOPs); at an
 # H100's ~200 FLOP per byte of HBM a chunk is ~333 rows
@@ -251,7 +256,8 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     M, C = h.shape
     V = w.shape[0]
     lse_kernel = _lse_kernel(lm_head, dtype, logits_dtype, fp8, V, C)
-    rows = _chunk_rows(M, V, fp8=fp8, multiple=gemm.BLOCK_M if lse_kernel else 1)
+    rows = _chunk_rows(M, V, CE_CHUNK_ELEMENTS_LSE if lse_kernel else None, fp8=fp8,
+                       multiple=gemm.BLOCK_M if lse_kernel else 1)
     n_chunks = math.ceil(M / rows)
     pad = n_chunks * rows - M
     hp = jnp.pad(h.astype(dtype), ((0, pad), (0, 0)))
@@ -265,7 +271,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     online = ops.platform() != "cpu"  # GPUs: max and sum of exp in one pass over the fp32 logits (_max_and_sum_exp)
 
     def chunk(carry, inp):
-        dw_t = carry
+        dw_t = carry  # dW's accumulator: (V, C) on GPUs, (C, V), transposed at the end, on CPUs
         h_i, t_i, ok, *hq_i = inp
         # h W^T straight from row-major W: YNNPACK runs this NT dot in bf16 (only *backward*-style transposed
         # operands get upcast), and a materialised W^T copy measured slower.
@@ -313,7 +319,7 @@ def _ce_pass(h, w, targets, vocab_size, dtype, precision, with_grad, fp8=False, 
     loss_sum = jnp.sum(loss_sums)
     if not with_grad:
         return loss_sum
-    # the barrier keeps XLA from folding this transpose into the dW dot (with one chunk the scan is inlined,
+    # CPUs: the barrier keeps XLA from folding this transpose into the dW dot (with one chunk the scan is inlined,
     # and a bf16 dot with a transposed operand then has no CPU kernel at all)
     dw = lax.optimization_barrier(dw_t).T if cpu else dw_t
     return loss_sum, dh.reshape(-1, C)[:M], dw

@@ -81,6 +81,10 @@ def test_chunks_are_multiples_of_the_row_block_with_the_fewest_padded_rows():
     assert fused_loss._chunk_rows(131072, 50304, 1 << 28, multiple=128) == 5248
     rows = fused_loss._chunk_rows(1000, 256, 300 * 256, multiple=128)
     assert rows % 128 == 0 and rows * -(-1000 // rows) == 1024  # 1,000 rows: 24 padded at best
+    # the kernel's own budget (2 GiB of bf16 logits): gpt2 b16 in one chunk, b64 in four, the recipe's b64 too
+    lse = fused_loss.CE_CHUNK_ELEMENTS_LSE
+    assert fused_loss._chunk_rows(16384, 50304, lse, multiple=128) == 16384
+    assert fused_loss._chunk_rows(65536, 50304, lse, multiple=128) == 16384
 
 
 @pytest.mark.parametrize("budget_rows", [None, 128], ids=["one-chunk", "two-chunks"])
@@ -96,8 +100,9 @@ def test_the_fused_loss_with_the_kernel_is_the_loss_without_it(monkeypatch, budg
     h, w = _operands(150, 256, 32, seed=1)
     h = h.astype(F32).reshape(3, 50, 32)
     t = jnp.asarray(np.random.default_rng(2).integers(0, 100, (3, 50)), jnp.int32)
-    if budget_rows:
+    if budget_rows:  # both paths' chunks (the kernel's have a budget of their own)
         monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_GPU", budget_rows * 256)
+        monkeypatch.setattr(fused_loss, "CE_CHUNK_ELEMENTS_LSE", budget_rows * 256)
 
     def run(lm_head):
         f = jax.jit(jax.value_and_grad(lambda h, w: fused_loss.lm_head_cross_entropy(
