@@ -200,20 +200,22 @@ class LayerNorm(nnx.Module):
             return y.reshape(*lead, x.shape[-1])
 
     def branch(self, x: Float[Array, "... embed"], copies: int = 1,
-               add: Float[Array, "... embed"] | Projection | None = None) -> tuple[Float[Array, "... embed"], ...]:
+               add: Float[Array, "... embed"] | Projection | None = None, residual: bool = True
+               ) -> tuple[Float[Array, "... embed"], ...]:
         """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it, of ``x + add`` if ``add``
         is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.norm) whose forward makes the
         sum and ln(x) in one pass on GPUs, and whose backward also adds x's residual gradient and sums the copies'
         gradients itself. ``add`` may be a :class:`Projection` (the attention's c_proj under ``Policy.c_proj =
         "pallas"``): under "pallas" the VJP then computes it too, and its backward kernel writes what the projection's
-        backward reads (its bf16 output gradient, its bias gradient's partial sums)."""
+        backward reads (its bf16 output gradient, its bias gradient's partial sums). ``residual=False``: no x in the
+        result (ln_f, which no block adds to), and under "pallas" no residual gradient read by the backward kernel."""
         kernels = self.impl == "pallas" and x.dtype == jnp.float32
         proj = add if isinstance(add, Projection) and kernels else None
         if isinstance(add, Projection):
             add = None if kernels else add()
         if not kernels:
             x = x if add is None else x + add
-            return (x,) + (self(x),) * copies
+            return ((x,) if residual else ()) + (self(x),) * copies
         if add is not None and add.dtype != jnp.float32:  # a bf16 branch (autocast's c_proj without a bias): XLA adds
             x, add = x + add, None  # it, as before: x + a promotes, and autodiff rounds a's gradient its own way
         with jax.named_scope("layer_norm"):
@@ -221,12 +223,12 @@ class LayerNorm(nnx.Module):
             rows = (-1, x.shape[-1])
             linear = None if proj is None else (proj.x.reshape(-1, proj.x.shape[-1]), proj.layer.kernel[...],
                                                 None if proj.layer.bias is None else proj.layer.bias[...])
-            x_out, *ys = norm.layer_norm_branch(
+            outs = norm.layer_norm_branch(
                 x.reshape(rows), self.scale[...], bias, eps=self.eps, copies=copies,
                 add=None if add is None else add.reshape(rows), proj=linear,
                 dtype=self.gemm_dtype if proj is None else proj.layer.policy.dtype,
-                precision=None if proj is None else proj.layer.policy.lax_precision)
-            return (x_out.reshape(x.shape), *(y.reshape(x.shape) for y in ys))
+                precision=None if proj is None else proj.layer.policy.lax_precision, residual=residual)
+            return tuple(o.reshape(x.shape) for o in outs)  # ([x + add,] ln(x + add), ...), each (rows, embed)
 
 
 class Linear(nnx.Module):
@@ -420,7 +422,7 @@ class GPT(nnx.Module):
                              param_dtype=pdt, rngs=rngs)
         self.h = nnx.List([Block(config, policy=policy, rngs=rngs) for _ in range(config.n_layer)])
         self.ln_f = LayerNorm(config.n_embd, bias=config.bias, eps=config.layer_norm_epsilon,
-                              param_dtype=policy.param_dtype, impl=policy.layer_norm)
+                              param_dtype=policy.param_dtype, impl=policy.layer_norm, gemm_dtype=policy.dtype)
 
     # ---- the forward pass, in pieces --------------------------------------------------------------------
     def hidden(
@@ -443,8 +445,9 @@ class GPT(nnx.Module):
         x = dropout(x, self.config.dropout, keys[-1])
         for i, block in enumerate(self.h):
             x, cache = block(x, cache=cache, layer=i, pos=pos, dropout_key=keys[i])
-        if isinstance(x, Residual):  # the last block's MLP output (layer_norm: pallas)
-            x = x.x + x.add
+        if isinstance(x, Residual):  # the last block's MLP output, added by ln_f's forward kernel (layer_norm: pallas)
+            (h,) = self.ln_f.branch(x.x, add=x.add, residual=False)
+            return h, cache
         return self.ln_f(x), cache
 
     def logits(self, h: Float[Array, "batch seq embed"], *, head: Float[Array, "vocab_rows embed"] | None = None

@@ -150,17 +150,20 @@ def _tile(first: int, sub: int, rows: int, col, col_ok):
     return row, row_ok, row_ok[:, None] & col_ok[None, :], (row[:, None], col[None, :])
 
 
-def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: bool):
+def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: bool, has_dres: bool):
     """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
     ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
     (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref. ``refs``: the ``n_dy``
-    parts of dy (summed here, in fp32), then the residual gradient, mean, rstd, scale, dx, ds and db; with ``cast``
+    parts of dy (summed here, in fp32), then the residual gradient (unless ``has_dres`` is False: a LayerNorm that is
+    no residual branch, ln_f), mean, rstd, scale, dx, ds and db; with ``cast``
     two more outputs: dx rounded to the GEMMs' dtype and the rows' fp32 column sums of dx (a projection's output
     gradient and its bias gradient's partial sums, :func:`layer_norm_branch`'s ``proj``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    dy_refs, (dres_ref, mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *cast_refs) = refs[:n_dy], refs[n_dy:]
+    dy_refs, rest = refs[:n_dy], refs[n_dy:]
+    dres_ref, rest = (rest[0], rest[1:]) if has_dres else (None, rest)
+    mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *cast_refs = rest
     rows, cols = x_ref.shape
     i = pl.program_id(0)
     col = jnp.arange(width)
@@ -173,14 +176,15 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: boo
         dy = plgpu.load(dy_refs[0].at[at], mask=ok, other=0.0).astype(jnp.float32)
         for dy_ref in dy_refs[1:]:  # the other GEMMs' input gradients: XLA would add them in a pass of its own
             dy = dy + plgpu.load(dy_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
-        dres = plgpu.load(dres_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         mean = plgpu.load(mean_ref.at[row], mask=row_ok, other=0.0)[:, None]
         rstd = plgpu.load(rstd_ref.at[row], mask=row_ok, other=0.0)[:, None]
         x_hat = jnp.where(ok, (x - mean) * rstd, 0.0)  # padded columns: 0, not -mean * rstd
         g = dy * scale[None, :]
         c1 = (g * x_hat).sum(axis=1, keepdims=True) / cols
         c2 = g.sum(axis=1, keepdims=True) / cols
-        dx = (g - c2 - x_hat * c1) * rstd + dres
+        dx = (g - c2 - x_hat * c1) * rstd
+        if has_dres:
+            dx = dx + plgpu.load(dres_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         plgpu.store(dx_ref.at[at], dx.astype(dx_ref.dtype), mask=ok)
         acc = (acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0), *acc[2:])
         if not cast:
@@ -198,15 +202,16 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: boo
 def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
     if not dys:
         raise LayerNormKernelError("layer_norm_backward takes at least one dy")
-    shapes = [tuple(a.shape) for a in (x, *dys, dres)]
+    shapes = [tuple(a.shape) for a in (x, *dys, *([] if dres is None else [dres]))]
     if getattr(x, "ndim", 0) != 2 or len(set(shapes)) != 1:
         raise LayerNormKernelError(f"layer_norm_backward takes x, dy (or each of its parts) and the residual gradient "
                                    f"of one (rows, embed) shape, got {', '.join(map(str, shapes))}; reshape them with "
                                    "a.reshape(-1, a.shape[-1])")
     dtypes = [a.dtype for a in dys]
-    if x.dtype != jnp.float32 or dres.dtype != jnp.float32 or any(d not in (jnp.float32, jnp.bfloat16) for d in dtypes):
+    dres_dtype = jnp.float32 if dres is None else dres.dtype
+    if x.dtype != jnp.float32 or dres_dtype != jnp.float32 or any(d not in (jnp.float32, jnp.bfloat16) for d in dtypes):
         raise LayerNormKernelError(f"layer_norm_backward takes float32 x and residual gradient and a float32 or "
-                                   f"bfloat16 dy, got {x.dtype}, {dres.dtype} and {', '.join(map(str, dtypes))}")
+                                   f"bfloat16 dy, got {x.dtype}, {dres_dtype} and {', '.join(map(str, dtypes))}")
     if tuple(mean.shape) != (x.shape[0], 1) or tuple(rstd.shape) != (x.shape[0], 1) or scale.shape != x.shape[1:]:
         raise LayerNormKernelError(f"layer_norm_backward: mean and rstd must be ({x.shape[0]}, 1) and scale "
                                    f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, {tuple(scale.shape)}")
@@ -214,7 +219,8 @@ def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
 
 def layer_norm_backward(x: Float[Array, "rows embed"],
                         dy: Float[Array, "rows embed"] | Sequence[Float[Array, "rows embed"]],
-                        dres: Float[Array, "rows embed"], mean: Float[Array, "rows 1"], rstd: Float[Array, "rows 1"],
+                        dres: Float[Array, "rows embed"] | None, mean: Float[Array, "rows 1"],
+                        rstd: Float[Array, "rows 1"],
                         scale: Float[Array, " embed"], *, cast=None, interpret: bool = False
                         ) -> tuple[Float[Array, "rows embed"], ...]:
     """``(dres + dx, d_scale_partials, d_bias_partials)`` of the LayerNorm whose forward saved ``mean`` and ``rstd``,
@@ -222,7 +228,8 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     - x_hat * mean(g * x_hat))`` with ``g = dy * scale``, and per block of :data:`BLOCK_ROWS` rows the fp32 column
     sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). ``dy`` may be a sequence of parts
     (the input gradients of the GEMMs that read the LayerNorm's output), summed in the kernel in fp32 in that order.
-    Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory.
+    Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory. ``dres``
+    None: no residual gradient (a LayerNorm that is no residual branch: ln_f), nothing read for it.
 
     ``cast`` (a dtype): two more results, ``dres + dx`` rounded to it and its fp32 column sums per block of rows:
     what a GEMM that produced the branch needs for its backward (its bf16 output gradient and its bias gradient's
@@ -240,10 +247,10 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     casts = () if cast is None else (jax.ShapeDtypeStruct(x.shape, jnp.dtype(cast)), partials)
     return pl.pallas_call(
         partial(_kernel, n_dy=len(dys), block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols)),
-                cast=cast is not None),
+                cast=cast is not None, has_dres=dres is not None),
         out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32), partials, partials, *casts),
         grid=(n,), interpret=interpret, name="layer_norm_backward_residual", **kwargs,
-    )(x, *dys, dres, mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
+    )(x, *dys, *([] if dres is None else [dres]), mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
 
 
 def _forward_kernel(x_ref, *refs, has_add: bool, block: int, sub: int, width: int, eps: float):
@@ -330,10 +337,10 @@ def runs_kernels() -> bool:
 LinearArgs = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _branch(x, add, proj, scale, bias, eps, backward, copies, dtype, precision):
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _branch(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual):
     # without gradients: the same kernels
-    return _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision)[0]
+    return _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual)[0]
 
 
 def _project(proj: LinearArgs, dtype, precision):
@@ -358,7 +365,7 @@ def _project_bwd(saved, dx, dx_cast, dx_sums, dtype, precision):
     return dy, dw, (dx.sum(axis=0) if dx_sums is None else dx_sums.sum(axis=0)).astype(b_like.dtype)
 
 
-def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision):
+def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual):
     had_add = None if add is None else jnp.zeros((), jnp.float32)  # a residual: whether add's gradient is due
     saved_proj = None
     if proj is not None:  # the projection's GEMM is XLA's, as Linear's: only its backward's inputs change hands
@@ -371,12 +378,12 @@ def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precisi
             x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
                                                   interpret=_resolve(backward) == "interpret")
             y = y.astype(jnp.float32)
-    return (x,) + (y,) * copies, (x, mean, rstd, scale, bias, had_add, saved_proj)
+    return ((x,) if residual else ()) + (y,) * copies, (x, mean, rstd, scale, bias, had_add, saved_proj)
 
 
-def _branch_bwd(eps, backward, copies, dtype, precision, res, cotangents):
+def _branch_bwd(eps, backward, copies, dtype, precision, residual, res, cotangents):
     del eps, copies  # eps: inside rstd; copies: the cotangents' count
-    d_x_out, *dys = cotangents
+    d_x_out, dys = (cotangents[0], cotangents[1:]) if residual else (None, cotangents)
     x, mean, rstd, scale, bias, had_add, saved_proj = res
     res = res[:5]
     cast = sums = None
@@ -384,14 +391,15 @@ def _branch_bwd(eps, backward, copies, dtype, precision, res, cotangents):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
             dy = sum(dys[1:], dys[0])  # what autodiff would have added before the VJP, in the same order
             dx, d_scale, d_bias = _backward_xla(*res, dy)
-            dx = d_x_out.astype(x.dtype) + dx
+            dx = dx if d_x_out is None else d_x_out.astype(x.dtype) + dx
         else:
             # the rounded copy is only worth writing in a narrower dtype: in fp32 the GEMMs read dx itself and XLA
             # sums it (the fp32 policy gains nothing from c_proj: pallas, and loses nothing)
             cast_to = None if saved_proj is None or jnp.dtype(dtype) == x.dtype else dtype
             dx, ds, db, *extra = layer_norm_backward(
-                x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys], d_x_out.astype(x.dtype),
-                mean, rstd, scale, cast=cast_to, interpret=_resolve(backward) == "interpret")
+                x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys],
+                None if d_x_out is None else d_x_out.astype(x.dtype), mean, rstd, scale, cast=cast_to,
+                interpret=_resolve(backward) == "interpret")
             cast, sums = extra or (None, None)
             d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
                 bias.dtype)
@@ -405,7 +413,8 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
                       bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
                       copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32,
-                      proj: LinearArgs | None = None, precision=None) -> tuple[Float[Array, "rows embed"], ...]:
+                      proj: LinearArgs | None = None, precision=None, residual: bool = True
+                      ) -> tuple[Float[Array, "rows embed"], ...]:
     """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
     "kernel" (:func:`layer_norm_backward`, and :func:`layer_norm_forward` for the forward: GPUs), "interpret"
@@ -429,7 +438,11 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     result, then the bias), and the backward kernel also writes the projection's output gradient in ``dtype`` and
     its column sums, so that its backward GEMMs and bias gradient read them, not an XLA pass that reads the fp32
     gradient back to round and sum it (``Policy.c_proj = "pallas"``: the attention's c_proj, 0.3 GB per layer at
-    gpt2 b64). The same values as ``add=`` with the Linear's output, but for the order of the bias gradient's sum."""
+    gpt2 b64). The same values as ``add=`` with the Linear's output, but for the order of the bias gradient's sum.
+
+    ``residual=False``: a LayerNorm that is no residual branch (ln_f, after the last block's ``add``): the result is
+    ``(y_1, ..., y_copies)`` without x, and the backward kernel reads no residual gradient (a zero one would be
+    written and read: 0.2 GB at gpt2 b64)."""
     if backward not in ("auto", "kernel", "interpret", "xla"):
         raise LayerNormKernelError(f"layer_norm_branch: backward = {backward!r}: allowed values are 'auto', 'kernel', "
                                    "'interpret', 'xla'")
@@ -444,7 +457,7 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     if proj is not None:
         _check_proj(x, add, proj)
     return _branch(x, add, None if proj is None else tuple(proj), scale, bias, float(eps), backward, copies,
-                   jnp.dtype(dtype), precision)
+                   jnp.dtype(dtype), precision, bool(residual))
 
 
 def _check_proj(x, add, proj) -> None:

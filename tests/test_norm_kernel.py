@@ -249,6 +249,36 @@ def test_branch_custom_vjp_against_autodiff(backward, with_bias):
         assert got[4] is None and want[4] is None
 
 
+@pytest.mark.parametrize("backward", ["xla", "interpret"])
+def test_a_branch_without_its_residual_is_the_branch_with_a_zero_residual_gradient(backward):
+    """residual=False (ln_f: no block adds to it): ``(y,)`` alone, and its VJP (the backward kernel reading no
+    residual gradient) bit for bit the full branch's with a zero cotangent for x; the kernel without dres as the
+    kernel with a zero dres."""
+    rows, dim = 72, 96
+    x, dy, _, scale, bias = _kernel_inputs(rows, dim, seed=6)
+    add = np.random.default_rng(9).standard_normal((rows, dim))
+    xj, dyj, sj, bj, aj = (jnp.asarray(a, jnp.float32) for a in (x, dy, scale, bias, add))
+
+    @jax.jit
+    def grads(x, a, s, b):
+        y_only, vjp = jax.vjp(lambda x, a, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward, add=a,
+                                                                        residual=False), x, a, s, b)
+        (xo, y), vjp_full = jax.vjp(lambda x, a, s, b: norm.layer_norm_branch(x, s, b, eps=EPS, backward=backward,
+                                                                               add=a), x, a, s, b)
+        return y_only, y, vjp((dyj,)), vjp_full((jnp.zeros_like(xo), dyj))
+
+    y_only, y, got, want = grads(xj, aj, sj, bj)
+    assert len(y_only) == 1
+    np.testing.assert_array_equal(np.asarray(y_only[0]), np.asarray(y))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    mean, rstd = norm._stats(xj, EPS)
+    without = norm.layer_norm_backward(xj, dyj, None, mean, rstd, sj, interpret=True)
+    with_zero = norm.layer_norm_backward(xj, dyj, jnp.zeros_like(xj), mean, rstd, sj, interpret=True)
+    for a, b in zip(without, with_zero, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
     """tests.tiny_training's AdamW losses with jaxgpt.norm's backward forced to ``backward``."""
     monkeypatch.setattr(norm, "_resolve", lambda b: backward)
@@ -309,9 +339,9 @@ def test_policy_field_and_train_config():
 
 def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_micro_step():
     """The tiny step compiled for the H100 under layer_norm=pallas: two Pallas Triton custom calls (forward and
-    backward) per block LayerNorm (4 per layer) and micro-step, in LayerNorm's category, priced as a fusion at the
-    least efficient measured fusion rate; every GEMM of a class the calibration measured; the residual adds in the
-    forward kernels but the last block's."""
+    backward) per LayerNorm (4 per layer and ln_f's two) and micro-step, in LayerNorm's category, priced as a fusion
+    at the least efficient measured fusion rate; every GEMM of a class the calibration measured; every residual add in
+    the forward kernels, the last block's in ln_f's."""
     from tests.test_compile import PLUGIN_PROBLEM, TINY_BF16, _compiled
 
     if PLUGIN_PROBLEM is not None:
@@ -322,25 +352,33 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
     assert cs.policy.layer_norm == "pallas"
     ks, _ = hlo.kernels(cs.hlo_text())
     triton = [k for k in ks if k.opcode == "__gpu$xla.gpu.triton"]
-    assert len(triton) == 4 * cs.cfg.model.n_layer and all(k.count == cs.micro_steps for k in triton), [
+    assert len(triton) == 4 * cs.cfg.model.n_layer + 2 and all(k.count == cs.micro_steps for k in triton), [
         (k.name, k.count) for k in triton]
     assert all(k.category == "LayerNorm" for k in triton), [(k.category, k.op_name) for k in triton]
     fwd = [k for k in triton if "layer_norm_forward_residual" in k.op_name]
     bwd = [k for k in triton if "layer_norm_backward_residual" in k.op_name]
-    assert len(fwd) == len(bwd) == 2 * cs.cfg.model.n_layer
+    assert len(fwd) == len(bwd) == 2 * cs.cfg.model.n_layer + 1
     # ln_1's backward kernels read q, k and v's three input gradients (two more (rows, embed) fp32 arrays than ln_2's
-    # one dy), and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here)
+    # one dy), and no XLA pass adds them first: the step's only add_any kernels are GELU's (its plain backward here);
+    # ln_f's reads no residual gradient (one fp32 array fewer than ln_2's)
     rows_embed = cs.micro_batch * cs.cfg.seq_len * cs.cfg.model.n_embd * 4
-    ln_2 = min(k.bytes for k in bwd)
-    assert sorted({k.bytes for k in bwd}) == [ln_2, ln_2 + 2 * rows_embed]
+    ln_f = min(k.bytes for k in bwd)
+    ln_2 = ln_f + rows_embed
+    assert sorted(k.bytes for k in bwd) == [ln_f] + [ln_2] * cs.cfg.model.n_layer + [ln_2 + 2 * rows_embed] * \
+        cs.cfg.model.n_layer
     # ln_2's forward kernel reads the attention's output beside x and writes their sum (two more fp32 arrays than
     # ln_1's), and both write ln(x) in bf16 (half an fp32 array): no XLA pass adds, converts or takes the statistics
     ln_1 = min(k.bytes for k in fwd)
     assert sorted({k.bytes for k in fwd}) == [ln_1, ln_1 + 2 * rows_embed]
-    # every ln_2 and every ln_1 but the first block's adds a branch: the MLP's output is left to the next ln_1's
-    # kernel (model.Residual), so one XLA residual add is left, the last block's, before ln_f
-    assert sum(k.bytes > ln_1 for k in fwd) == 2 * cs.cfg.model.n_layer - 1
-    assert len([k for k in ks if k.op_name.endswith("jvp()/add") and k.bytes >= 3 * rows_embed]) == 1
+    # every ln_2, every ln_1 but the first block's and ln_f add a branch: the MLP's output is left to the next ln_1's
+    # kernel (model.Residual), the last block's to ln_f's, so no XLA residual add is left: the large adds left are
+    # the sums of a split-K GEMM's partials (XLA splits the tiny MLP c_proj's K of 128 in 4), which read no residual
+    m = hlo.Module(cs.hlo_text())
+    for k in [k for k in ks if k.op_name.endswith("jvp()/add") and k.bytes >= 3 * rows_embed]:
+        comp = next(c for c, instrs in m.computations.items() if k.name in m.by_name[c])
+        shapes = [m.instr_shape(comp, o)[0] for o in m.by_name[comp][k.name].operands]
+        assert [len(a.dims) for a in shapes] == [3, 1], (k.name, shapes)  # the (splits, rows, embed) partials, bias
+    assert sum(k.bytes > ln_1 for k in fwd) == 2 * cs.cfg.model.n_layer
     assert ln_1 == rows_embed * 3 // 2 + 2 * 4 * cs.micro_batch * cs.cfg.seq_len + 2 * 4 * cs.cfg.model.n_embd
     assert [k.name for k in ks if k.op_name.endswith("add_any") and k.category != "GELU"] == []
     cal = calibrated.for_target("h100-sxm")
