@@ -159,6 +159,27 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
      ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
       "logits_dtype=bfloat16"), {"b64": "combined-fast-inplace-dw-b64", "b16": "combined-fast-inplace-dw-b16",
                                  "yaml": "combined-fast-inplace-dw-gpt2-124m"}),
+    (("loss, lm_head=pallas: chunks of 2 GiB of bf16 logits (fused_loss.CE_CHUNK_ELEMENTS_LSE, 2^30) where the other "
+      "paths keep 2^28 fp32 logits: gpt2 b16's loss is one chunk, no loop (each chunk's slices, dW carry and dh "
+      "copies gone), b64's four of 16,384 rows where it was 16 of 4,096. The same values but for the order of the "
+      "dW sum over chunks. The fastest set: 40.14 -> 39.94 ms at b16, 130.15 -> 129.93 at b64, 979.8 -> 978.0 for "
+      "the recipe; memory 28.1 -> 30.1 GiB at b64 (each chunk's bf16 logits and softmax gradient: 3.3 GB, not 0.8)"),
+     "logits_dtype=bfloat16 lm_head=pallas", {"b64": "lm-head-pallas-chunk-b64", "b16": "lm-head-pallas-chunk-b16",
+                                              "yaml": "lm-head-pallas-chunk-gpt2-124m"}),
+    ("the fastest set predicted, with the loss's larger chunks (bench variant jax_bf16_fast, without the grouped norm)",
+     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+      "logits_dtype=bfloat16"), {"b64": "combined-fast-chunk-b64", "b16": "combined-fast-chunk-b16",
+                                 "yaml": "combined-fast-chunk-gpt2-124m"}),
+    (("LayerNorm kernels: ln_f runs them too (LayerNorm.branch(residual=False)): its forward kernel adds the last "
+      "block's MLP output and writes ln(x) in bf16 for the lm_head, its backward kernel reads no residual gradient; "
+      "XLA's residual add, its LayerNorm passes and the convert of h to bf16 are gone. The same values but for the "
+      "order of fp32 sums (the fastest set at b16: 39.94 -> 39.87 ms)"),
+     "layer_norm=pallas", {"b64": "layernorm-pallas-lnf-b64", "b16": "layernorm-pallas-lnf-b16",
+                           "yaml": "layernorm-pallas-lnf-gpt2-124m"}),
+    ("the fastest set predicted, with ln_f's kernels (bench variant jax_bf16_fast, without the grouped norm)",
+     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+      "logits_dtype=bfloat16"), {"b64": "combined-fast-lnf-b64", "b16": "combined-fast-lnf-b16",
+                                 "yaml": "combined-fast-lnf-gpt2-124m"}),
 ]
 
 
