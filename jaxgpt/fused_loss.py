@@ -51,8 +51,9 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
     at the small config's 2,048 x 256, 512- and 1,024-row chunks were equal (1.18-1.27 s) and one 2,048-row
     chunk slower (1.25-1.31 s: more memory traffic per pass). ``multiple``: rows a multiple of it (the logits
     kernel's row block, whose chunks must not be sliced): of the chunk counts from the fewest up to 8 more, the one
-    with the least work counting each chunk as :data:`CHUNK_COST_ROWS` rows (at gpt2 b64 16 chunks of 4,096 rows,
-    none padded, where 13 of 5,042 were; at b128 25 of 5,248, 128 padded, not 32 of 4,096)."""
+    with the least work counting each chunk as :data:`CHUNK_COST_ROWS` rows (under a 2^28 budget at gpt2 b64 16
+    chunks of 4,096 rows, none padded, where 13 of 5,042 were; at b128 25 of 5,248, 128 padded, not 32 of 4,096;
+    the logits kernel's own budget, :data:`CE_CHUNK_ELEMENTS_LSE`, makes b64 4 chunks of 16,384))."""
     if budget is None:
         budget = CE_CHUNK_ELEMENTS if ops.platform() == "cpu" else CE_CHUNK_ELEMENTS_GPU
     rows = max(1, min(n_rows, budget // vocab_rows))

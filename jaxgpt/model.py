@@ -151,7 +151,7 @@ def cached_attention(q: Float[Array, "batch seq heads head_dim"], k: Float[Array
 class Residual(NamedTuple):
     """The residual stream ``x`` with a block's MLP output ``add`` not added yet (``Policy.layer_norm = "pallas"``,
     where its kernels run): the next block's ln_1 adds it in its kernel (:meth:`LayerNorm.branch`'s ``add``), as ln_2
-    adds the attention's, where XLA would add it in a pass of its own; GPT.hidden adds the last block's before ln_f."""
+    adds the attention's, where XLA would add it in a pass of its own; ln_f's kernel adds the last block's."""
 
     x: Float[Array, "batch seq embed"]
     add: Float[Array, "batch seq embed"]
@@ -190,7 +190,7 @@ class LayerNorm(nnx.Module):
             # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
             # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
             x = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
-            if self.impl in ("fused", "pallas"):  # pallas: ln_f (no residual branch) takes fused's backward
+            if self.impl in ("fused", "pallas"):  # pallas: ln_f where no kernel runs (CPUs) takes fused's backward
                 bias = self.bias[...] if self.bias is not None else None
                 return norm.layer_norm(x, self.scale[...], bias, eps=self.eps).reshape(*lead, x.shape[-1])
             mean = x.mean(axis=-1, keepdims=True)
@@ -433,7 +433,9 @@ class GPT(nnx.Module):
         pos: Int[Array, ""] | int = 0,
         dropout_key: jax.Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
-        """Final hidden states (after ln_f), fp32; with a cache, tokens sit at positions [pos, pos+T)."""
+        """Final hidden states (after ln_f), fp32 (under layer_norm: pallas on GPUs, ln_f's kernel writes them in the
+        GEMMs' dtype, bf16 where they compute in it, as every reader rounds them); with a cache, tokens sit at
+        positions [pos, pos+T)."""
         check_tokens(idx, self.config)
         T = idx.shape[1]
         if cache is not None:

@@ -20,9 +20,10 @@ two passes that XLA fuses one kernel each:
 A single pass (dx and per-block partial sums of d(scale) and d(bias) in one kernel, as llm.c's
 ``layernorm_backward`` does) needs a kernel that reduces along both axes at once, which no XLA fusion does:
 ``Policy.layer_norm = "pallas"`` is that kernel, a Pallas Triton one (:func:`layer_norm_backward`, below), for the
-blocks' LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also adds the residual stream's gradient.
-Their forward is one Pallas kernel too (:func:`layer_norm_forward`): it adds a branch's output to the residual stream,
-takes the row statistics and writes ln(x) in the GEMMs' operand dtype in one pass, where XLA reads the sum three times.
+LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also adds the residual stream's gradient (ln_f, which
+no block adds to, as a branch without x: ``residual=False``). Their forward is one Pallas kernel too
+(:func:`layer_norm_forward`): it adds a branch's output to the residual stream, takes the row statistics and writes
+ln(x) in the GEMMs' operand dtype in one pass, where XLA reads the sum three times.
 """
 
 from __future__ import annotations

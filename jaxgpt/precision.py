@@ -47,9 +47,9 @@ class Policy:
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
     # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
     # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass) or "pallas" (the
-    # blocks' LayerNorms as (x, ln(x)) branches whose backward is one Pallas Triton kernel that also adds the residual
-    # stream's gradient, writing d(scale), d(bias) partial sums, and whose forward is one too, writing ln(x) in the
-    # compute dtype; on CPUs fused's passes, so it trains as fused)
+    # LayerNorms as (x, ln(x)) branches (ln_f's without x) whose backward is one Pallas Triton kernel that also adds
+    # the residual stream's gradient, writing d(scale), d(bias) partial sums, and whose forward is one too, writing
+    # ln(x) in the compute dtype; on CPUs fused's passes, so it trains as fused)
     layer_norm: Literal["plain", "fused", "pallas"] = "plain"
     # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'

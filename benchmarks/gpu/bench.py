@@ -57,8 +57,9 @@ KNOBS: dict[str, tuple[dict, str, dict]] = {
     "loss fetched every step": ({}, "", {"sync_every_step": True}),
     "attention=xla": ({"attention": "xla"}, "", {}),
     "fast_kernels=False (plain matmuls, unfused CE)": ({"fast_kernels": False}, "", {}),
-    # the fused loss's chunk on GPUs is 2^28 fp32 logits (fused_loss.CE_CHUNK_ELEMENTS_GPU, chosen from the compiled
-    # H100 program's traffic): measure the 4x smaller and the 4x larger one against it
+    # the default fused loss's chunk on GPUs is 2^28 fp32 logits (fused_loss.CE_CHUNK_ELEMENTS_GPU, chosen from the
+    # compiled H100 program's traffic; lm_head: pallas has its own, CE_CHUNK_ELEMENTS_LSE, which these leave alone):
+    # measure the 4x smaller and the 4x larger one against it
     "CE chunk 1/4 (2^26 fp32 logits)": ({}, "", {"ce_chunk_elements": 1 << 26}),
     "CE chunk 4x (2^30 fp32 logits)": ({}, "", {"ce_chunk_elements": 1 << 30}),
     "latency-hiding scheduler": ({}, "--xla_gpu_enable_latency_hiding_scheduler=true", {}),
