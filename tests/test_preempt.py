@@ -569,8 +569,11 @@ def test_a_ctrl_c_while_python_imports_the_tool_s_package_is_one_line(tool):
     """`python -m jaxgpt.<tool>` imports the package (its __init__: jax, orbax) before the tool's __main__ and its
     handler run: jaxgpt's __init__ guards that window (held open here by a debug sleep inside it)."""
     env = dict(os.environ, JAXGPT_DEBUG_STARTUP_SLEEP="20", JAX_PLATFORMS="cpu")
+    # SIGINT as a terminal's foreground job has it: a suite started in the background of a non-interactive shell
+    # (`nohup make test &`) passes SIGINT on ignored, and Python then leaves it ignored (the guard guards nothing)
     proc = subprocess.Popen([sys.executable, "-m", f"jaxgpt.{tool}", "--help"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(2.0)  # Python's start-up and jaxgpt's config import take ~0.1 s: the guard's sleep has begun
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
