@@ -34,6 +34,12 @@ h, and the backward kernel computes each tile's h again from x, w_fc and b_fc (t
 the same values), a second GEMM in the kernel: 805 MB less per layer at gpt2 b64, 9.0 GiB in all, for 309 GFLOP more
 per layer (llm.c's GELU recompute, in one kernel).
 
+``Policy.gelu = "pallas-gemm-bf16h"`` (``h_dtype=bfloat16``) trades one rounding for traffic: the forward kernel writes
+h in bf16 (after computing gelu(h) from the fp32 h: the forward's values are unchanged) and the backward kernel
+widens it as it reads it, so gelu'(h) comes from the rounded h, as in torch autocast, which keeps its bf16 c_fc output
+for GELU's backward: 403 MB less written, read and held per layer at gpt2 b64 (the bf16 policies' parity bounds:
+parity_tests/tolerances.py).
+
 The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.gemm`'s.
 """
 
@@ -53,12 +59,12 @@ FIX = "the kernels take bf16 operands (and fp32 h): mlp(impl='xla' or 'auto') fo
 
 
 def _fwd_kernel(x_ref, w_ref, b_ref, *out_refs, bk: int):
-    """One (bm, bn) tile: h = x @ w + b accumulated in fp32, then h (unless ``out_refs`` is y_ref alone: the backward
-    recomputes it) and gelu(h) in y_ref's dtype."""
+    """One (bm, bn) tile: h = x @ w + b accumulated in fp32, then h in h_ref's dtype (unless ``out_refs`` is y_ref
+    alone: the backward recomputes it) and gelu(h), of the fp32 h, in y_ref's dtype."""
     h = gemm.accumulate(x_ref, w_ref, bk=bk) + b_ref[...]
     *h_ref, y_ref = out_refs
     if h_ref:
-        h_ref[0][...] = h
+        h_ref[0][...] = h.astype(h_ref[0].dtype)
     y_ref[...] = jax.nn.gelu(h, approximate=True).astype(y_ref.dtype)
 
 
@@ -76,7 +82,7 @@ def _bwd_kernel(g_ref, w_ref, *refs, bk: int, bk_fc: int | None):
         h = gemm.accumulate(x_ref, wfc_ref, bk=bk_fc) + b_ref[...]
     else:
         h_ref, dh_ref, db_ref, *g_refs = refs
-        h = h_ref[...]
+        h = h_ref[...].astype(jnp.float32)  # a bf16 h (gelu: pallas-gemm-bf16h) widened as it is read
     dh = gemm.accumulate(g_ref, w_ref, bk=bk, trans_b=True) * gelu.gelu_grad(h)
     dh_ref[...] = dh.astype(dh_ref.dtype)
     db_ref[...] = dh.sum(axis=0, keepdims=True)
@@ -93,12 +99,13 @@ def _bwd_kernel(g_ref, w_ref, *refs, bk: int, bk_fc: int | None):
 
 
 def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: Float[Array, " d_ff"] | None, *,
-                 interpret: bool = False, block: tuple[int, int, int] | None = None, keep_h: bool = True
-                 ) -> tuple[Float[Array, "rows d_ff"] | None, Float[Array, "rows d_ff"]]:
+                 interpret: bool = False, block: tuple[int, int, int] | None = None, keep_h: bool = True,
+                 h_dtype=jnp.float32) -> tuple[Float[Array, "rows d_ff"] | None, Float[Array, "rows d_ff"]]:
     """``(h, y)``: ``h = x @ w + b`` (bf16 operands, fp32 accumulation and result) and ``y = gelu(h)`` (tanh, fp32)
     rounded to bf16, as one Pallas Triton GEMM (``interpret=True``: Pallas' interpreter, on any backend).
     ``block``: (bm, bn, bk), the tile and K step (defaults :data:`BLOCK_M`, :data:`BLOCK_N`, :data:`BLOCK_K`).
-    ``keep_h=False``: h is not written (None; the backward recomputes it)."""
+    ``keep_h=False``: h is not written (None; the backward recomputes it). ``h_dtype``: the dtype h is written in
+    (bf16: ``gelu: pallas-gemm-bf16h``, rounded from the fp32 h after gelu(h) was computed from it)."""
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32
@@ -112,7 +119,9 @@ def fc_gemm_gelu(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_ff"], b: 
     b2 = (jnp.zeros((n,), f32) if b is None else b.astype(f32))[None, :]
     xp, wp, bp = gemm.pad_to(x, bm, bk), gemm.pad_to(w, bk, bn), gemm.pad_to(b2, 1, bn)
     (mp, kp), np_ = xp.shape, wp.shape[1]
-    outs = (jax.ShapeDtypeStruct((mp, np_), f32),) * keep_h + (jax.ShapeDtypeStruct((mp, np_), bf16),)
+    if jnp.dtype(h_dtype) not in (jnp.dtype(f32), jnp.dtype(bf16)):
+        raise GemmKernelError(f"fc_gemm_gelu: h_dtype must be float32 or bfloat16, got {jnp.dtype(h_dtype).name}")
+    outs = (jax.ShapeDtypeStruct((mp, np_), h_dtype),) * keep_h + (jax.ShapeDtypeStruct((mp, np_), bf16),)
     *h, y = pl.pallas_call(
         partial(_fwd_kernel, bk=bk),
         out_shape=outs,
@@ -151,8 +160,8 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
     if (h is None) == (fc is None):
         raise GemmKernelError("proj_gemm_gelu_backward takes h or fc=(x, w_fc, b_fc) to recompute it, one of the two")
     arrays = {"g": (g, f32 if wide else bf16, "(rows, d_out)"), "w": (w, bf16, "(d_ff, d_out)")}
-    if fc is None:
-        arrays["h"] = (h, f32, "(rows, d_ff)")
+    if fc is None:  # fp32 h, or bf16 (gelu: pallas-gemm-bf16h), widened as it is read
+        arrays["h"] = (h, bf16 if getattr(h, "dtype", None) == bf16 else f32, "(rows, d_ff)")
     else:
         arrays.update(x=(fc[0], bf16, "(rows, d_in)"), w_fc=(fc[1], bf16, "(d_in, d_ff)"))
     gemm.check("proj_gemm_gelu_backward", arrays, FIX)
@@ -203,29 +212,29 @@ def _fc(xc, wfc, b, dtype, precision):
     return h if b is None else h + b
 
 
-def _forward(xc, wfc, b, dtype, precision, impl, keep_h=True):
+def _forward(xc, wfc, b, dtype, precision, impl, keep_h=True, h_dtype=jnp.float32):
     """(h, y) of c_fc + GELU: the kernel's, or XLA's (the plain path's: GEMM, bias add, GELU in fp32, rounded);
-    h None where the kernel does not keep it (``keep_h=False``)."""
+    h None where the kernel does not keep it (``keep_h=False``), else kept in ``h_dtype`` (y from the fp32 h)."""
     if impl == "xla":
         h = _fc(xc, wfc, b, dtype, precision)
         with jax.named_scope(SCOPE):
-            return h if keep_h else None, jax.nn.gelu(h, approximate=True).astype(dtype)
+            return h.astype(h_dtype) if keep_h else None, jax.nn.gelu(h, approximate=True).astype(dtype)
     with jax.named_scope(SCOPE):
-        return fc_gemm_gelu(xc, wfc, b, interpret=impl == "interpret", keep_h=keep_h)
+        return fc_gemm_gelu(xc, wfc, b, interpret=impl == "interpret", keep_h=keep_h, h_dtype=h_dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _mlp(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute):
-    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _mlp(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute, h_dtype):
+    return _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute, h_dtype)[0]
 
 
 def _like(a):
     return None if a is None else jnp.zeros((), a.dtype)
 
 
-def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute):
+def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, recompute, h_dtype):
     xc, wfc, wpc = x.astype(dtype), w_fc.astype(dtype), w_proj.astype(dtype)
-    h, y = _forward(xc, wfc, b_fc, dtype, precision, _resolve(impl, dtype), keep_h=not recompute)
+    h, y = _forward(xc, wfc, b_fc, dtype, precision, _resolve(impl, dtype), keep_h=not recompute, h_dtype=h_dtype)
     m = ops._dot(y, wpc, dtype, precision, out)  # c_proj, as ops._matmul2d_fwd
     if fold and b_proj is not None:  # c_proj's bias, as Linear adds it
         m = m + b_proj
@@ -234,7 +243,7 @@ def _mlp_fwd(x, w_fc, b_fc, w_proj, b_proj, dtype, precision, out, impl, fold, r
     return m, (xc, wfc, wpc, h, y, jnp.zeros((), x.dtype), b_saved, _like(b_proj))
 
 
-def _mlp_bwd(dtype, precision, out, impl, fold, recompute, res, dm):
+def _mlp_bwd(dtype, precision, out, impl, fold, recompute, h_dtype, res, dm):
     xc, wfc, wpc, h, y, x_like, b_like, bp_like = res
     impl = _resolve(impl, dtype)
     fc = (xc, wfc, b_like) if recompute else None  # b_like: b_fc itself under recompute
@@ -244,7 +253,7 @@ def _mlp_bwd(dtype, precision, out, impl, fold, recompute, res, dm):
             if recompute:
                 h = _fc(xc, wfc, b_like, dtype, precision)
             g = ops._dot(gc, ops.transpose_operand(wpc), dtype, precision, out)
-            dh, sums = gelu.gelu_backward_xla(g, h, out_dtype=dtype)
+            dh, sums = gelu.gelu_backward_xla(g, h.astype(jnp.float32), out_dtype=dtype)
         elif fold:  # the kernel rounds dm as it reads it and writes the rounding and dm's column sums
             dh, sums, gc, dm_sums = proj_gemm_gelu_backward(dm.astype(jnp.float32), wpc, h, fc=fc,
                                                             interpret=impl == "interpret")
@@ -266,7 +275,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Float[Array, " d_ff"] | None,
         w_proj: Float[Array, "d_ff d_in"], *, dtype=jnp.bfloat16, precision=None, out_dtype=jnp.float32,
         impl: Impl = "auto", b_proj: Float[Array, " d_in"] | None = None, fold: bool = False,
-        recompute: bool = False) -> Float[Array, "... d_in"]:
+        recompute: bool = False, h_dtype=jnp.float32) -> Float[Array, "... d_in"]:
     """``gelu(x @ w_fc + b_fc) @ w_proj`` without c_proj's bias (the caller adds it, as Linear does): operands in
     ``dtype``, fp32 accumulation, GELU in fp32 rounded to ``dtype`` as c_proj's operand, the result and the
     backward's ``dx`` in fp32 (the default policies' GEMM output). ``impl``: "kernel" (the two Pallas Triton GEMMs:
@@ -280,7 +289,12 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
 
     ``recompute`` (``Policy.gelu = "pallas-recompute"``): the forward does not keep h (fp32, (rows, d_ff): 805 MB
     per layer at gpt2 b64); the backward computes it again from x, w_fc and b_fc, on GPUs inside the
-    input-gradient GEMM's kernel (a second GEMM per tile, as the forward kernel computed it: the same values)."""
+    input-gradient GEMM's kernel (a second GEMM per tile, as the forward kernel computed it: the same values).
+
+    ``h_dtype`` bfloat16 (``Policy.gelu = "pallas-gemm-bf16h"``): h is kept for the backward rounded to bf16, as torch
+    autocast keeps c_fc's bf16 output for GELU's backward: the forward's values are unchanged (gelu(h) of the fp32 h),
+    the backward's gelu'(h) is computed from the rounded h (widened to fp32 as it is read): half of h's memory and of
+    its traffic in both kernels (tolerances.py: the bf16 policies' gradient and training bounds)."""
     if b_proj is not None and not fold:
         raise GemmKernelError("gelu_gemm.mlp adds c_proj's bias only with fold=True (else the caller adds it)")
     if b_proj is not None and tuple(b_proj.shape) != (w_proj.shape[-1],):
@@ -290,7 +304,11 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
     if jnp.dtype(out_dtype) != jnp.float32:
         raise GemmKernelError(f"gelu_gemm.mlp keeps the GEMMs' fp32 outputs (gemm_output float32), got out_dtype "
                               f"{jnp.dtype(out_dtype).name}: use gelu: plain with that policy")
+    if jnp.dtype(h_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or (
+            recompute and jnp.dtype(h_dtype) != jnp.float32):
+        raise GemmKernelError(f"gelu_gemm.mlp keeps h in float32 or bfloat16 (and recompute keeps none), got h_dtype "
+                              f"{jnp.dtype(h_dtype).name} with recompute={recompute}")
     lead = x.shape[:-1]
     m = _mlp(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, jnp.dtype(dtype), precision,
-             jnp.dtype(out_dtype), impl, bool(fold), bool(recompute))
+             jnp.dtype(out_dtype), impl, bool(fold), bool(recompute), jnp.dtype(h_dtype))
     return m.reshape(*lead, w_proj.shape[-1])

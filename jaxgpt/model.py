@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int
 from jaxgpt import fused_loss, gelu, gelu_gemm, norm, ops
 from jaxgpt import qkv as qkv_gemms
 from jaxgpt.config import GPTConfig
-from jaxgpt.precision import Policy
+from jaxgpt.precision import GELU_IN_GEMMS, Policy
 
 INIT_STD = 0.02  # GPT-2's initializer_range
 
@@ -349,7 +349,7 @@ class MLP(nnx.Module):
             y = fc.policy.matmul(x, fc.kernel[...], gemm=fc.gemm)
             with jax.named_scope("gelu"):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
-        elif fc.policy.gelu in ("pallas-gemm", "pallas-recompute"):  # the same values; GELU in the GEMMs' epilogues
+        elif fc.policy.gelu in GELU_IN_GEMMS:  # GELU in the GEMMs' epilogues (the same values; bf16h: a bf16 h kept)
             return dropout(self._gelu_in_gemms(x), self.dropout, dropout_key)
         elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.gelu)
             p = fc.policy
@@ -363,14 +363,15 @@ class MLP(nnx.Module):
 
     def _gelu_in_gemms(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"; "pallas-recompute": h
-        not kept, recomputed in the backward); c_proj's bias added here, as Linear adds it (or in the VJP, under
-        Policy.c_proj = "pallas")."""
+        not kept, recomputed in the backward; "pallas-gemm-bf16h": h kept in bf16); c_proj's bias added here, as Linear
+        adds it (or in the VJP, under Policy.c_proj = "pallas")."""
         fc, proj, p = self.c_fc, self.c_proj, self.c_fc.policy
         fold = p.c_proj == "pallas"  # c_proj's bias and its gradient's rounding and sum in the GEMMs too
         bias = None if proj.bias is None else proj.bias[...]
         y = gelu_gemm.mlp(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], proj.kernel[...],
                           dtype=p.dtype, precision=p.lax_precision, out_dtype=p.out_dtype,
-                          b_proj=bias if fold else None, fold=fold, recompute=p.gelu == "pallas-recompute")
+                          b_proj=bias if fold else None, fold=fold, recompute=p.gelu == "pallas-recompute",
+                          h_dtype=jnp.bfloat16 if p.gelu == "pallas-gemm-bf16h" else jnp.float32)
         return y + bias if bias is not None and not fold else y
 
 

@@ -34,6 +34,8 @@ from jaxgpt.config import ConfigError, from_dict
 DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
 Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
+GELU = ("plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # Policy.gelu's values
+GELU_IN_GEMMS = ("pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # jaxgpt.gelu_gemm's MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,12 @@ class Policy:
     # input-gradient GEMM applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16
     # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas. "pallas-recompute": as
     # pallas-gemm, but the forward does not keep h (fp32, 805 MB per layer at gpt2 b64): c_proj's input-gradient
-    # kernel computes it again from x, a second GEMM in the same kernel (the same values)
-    gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute"] = "plain"
+    # kernel computes it again from x, a second GEMM in the same kernel (the same values). "pallas-gemm-bf16h": as
+    # pallas-gemm, but h is kept for the backward in bf16, as torch autocast keeps c_fc's bf16 output for GELU's
+    # backward: the forward's values are pallas-gemm's, gelu'(h) comes from the rounded h (one more bf16 rounding in
+    # the gradient: the bf16 policies' bounds, parity_tests/tolerances.py); half of h's memory and traffic (403 MB
+    # less per layer at gpt2 b64). Needs bf16 compute
+    gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"
     # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
     # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
     # bias and writes the bf16 that attention takes, and one GEMM for their input gradient that also sums the bias
@@ -97,9 +103,8 @@ class Policy:
         if self.layer_norm not in ("plain", "fused", "pallas"):
             raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused', "
                               "'pallas'")
-        if self.gelu not in ("plain", "pallas", "pallas-gemm", "pallas-recompute"):
-            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are 'plain', 'pallas', 'pallas-gemm', "
-                              "'pallas-recompute'")
+        if self.gelu not in GELU:
+            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are {', '.join(map(repr, GELU))}")
         if self.logits_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
@@ -145,6 +150,9 @@ class Policy:
                               f"fp32 compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
                               f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
                               f"fast_kernels {self.fast_kernels}: use precision bf16 or fp32, or gelu: plain")
+        if self.gelu == "pallas-gemm-bf16h" and self.compute_dtype != "bfloat16":
+            raise ConfigError(f"Policy.gelu = 'pallas-gemm-bf16h' keeps h in bf16 for a bf16 policy's backward; got "
+                              f"compute_dtype {self.compute_dtype!r}: use precision bf16, or gelu: pallas-gemm")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
             raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
                               "params, fast_kernels=False)")

@@ -101,8 +101,12 @@ def test_kernels_refuse_what_they_cannot_take():
         gelu_gemm.fc_gemm_gelu(x.astype(jnp.float32), w, b, interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(d_in, d_ff\)"):
         gelu_gemm.fc_gemm_gelu(x, w.T, b, interpret=True)
-    with pytest.raises(gelu_gemm.GemmKernelError, match="h must be float32, got bfloat16"):
-        gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 32), BF16), interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="h must be float32, got float16"):  # bf16 h: pallas-gemm-bf16h
+        gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 32), jnp.float16), interpret=True)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="h_dtype must be float32 or bfloat16, got float16"):
+        gelu_gemm.fc_gemm_gelu(x, w, b, interpret=True, h_dtype=jnp.float16)
+    with pytest.raises(gelu_gemm.GemmKernelError, match="recompute keeps none.*h_dtype bfloat16"):
+        gelu_gemm.mlp(x, w, b, w.T, recompute=True, h_dtype=BF16)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(rows, d_ff\)"):
         gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 16)), interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match="impl = 'triton'"):
@@ -315,3 +319,101 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     steps = cs.micro_steps  # each kernel runs once per micro-step
     assert tiny_h100.gemm_flops(ks) == pytest.approx(tiny_h100.gemm_flops(kg) + steps * layers * fc_flops, rel=1e-9)
     assert cg.memory()["temp"] - cs.memory()["temp"] >= h_bytes * layers
+
+
+# ---- gelu: pallas-gemm-bf16h: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
+@pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
+def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
+    """fc_gemm_gelu(h_dtype=bfloat16) writes the fp32 kernel's h rounded to bf16 and the same gelu(h) (computed from
+    the fp32 h), bit for bit; proj_gemm_gelu_backward handed that bf16 h computes exactly what it computes from the
+    same values widened to fp32 (dh, its column sums, and with an fp32 g its rounding and sums), and not what it
+    computes from the unrounded h."""
+    x, w_fc, b = _fwd_inputs(m, k, n, seed=8)
+    h, y = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block)
+    h16, y16 = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block, h_dtype=BF16)
+    assert (h16.dtype, y16.dtype) == (BF16, BF16)
+    np.testing.assert_array_equal(_f64(h16), _f64(h.astype(BF16)))
+    np.testing.assert_array_equal(_f64(y16), _f64(y))
+    r = np.random.default_rng(9)
+    g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
+    w = _bf16(r.standard_normal((n, k)) / np.sqrt(n))
+    for gi in (g.astype(BF16), g):
+        got = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16, interpret=True, block=block)
+        want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16.astype(jnp.float32), interpret=True, block=block)
+        for u, v in zip(got, want, strict=True):
+            np.testing.assert_array_equal(_f64(u), _f64(v))
+        unrounded = gelu_gemm.proj_gemm_gelu_backward(gi, w, h, interpret=True, block=block)
+        assert np.any(_f64(got[0]) != _f64(unrounded[0]))  # the rounding reaches dh
+
+
+def _mlp_run(impl, fold, h_dtype, seed=10):
+    x, wf, bf, wp, bp, ct = mlp_inputs(seed=seed)
+
+    def run(x, wf, bf, wp, bp):
+        return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold, h_dtype=h_dtype)
+    y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
+    return (x, wf, bf, wp, ct), (y, *vjp(ct))
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
+def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
+    """gelu_gemm.mlp(h_dtype=bfloat16) against the mlp that keeps the fp32 h, on XLA's path and the kernels'
+    (interpreted): the value and c_proj's gradients (dW_proj, its bias) bit for bit (the forward is unchanged);
+    dx, dW_fc and d(b_fc) differ (the rounding reaches them), by at most what rounding h moves dh by, carried through
+    the GEMMs: h to bf16 moves it by at most u |h| (u = 2^-8, round to nearest), gelu'(h) by at most
+    max |gelu''| = K = 0.798 (its value at 0) times that, so dh = g gelu'(h) by 0.8 u |g| |h|, plus one bf16 ulp of dh
+    (either side of a rounding boundary) and the fp32 evaluation of gelu' (32 u_32 S, tests/test_gelu_kernel.py)."""
+    (x, wf, bf, wp, ct), keep = _mlp_run(impl, fold, jnp.float32)
+    _, half = _mlp_run(impl, fold, BF16)
+    names = ("y", "dx", "dW_fc", "d(b_fc)", "dW_proj", "d(b_proj)")
+    for name in ("y", "dW_proj", "d(b_proj)"):
+        i = names.index(name)
+        if keep[i] is not None:
+            np.testing.assert_array_equal(np.asarray(half[i]), np.asarray(keep[i]), err_msg=name)
+    xc, wfc = (np.abs(_f64(a.astype(BF16))) for a in (x, wf))
+    h = _f64(ops.matmul(x, wf, dtype=BF16)) + _f64(bf)
+    g = _f64(ct.astype(BF16)) @ _f64(wp.astype(BF16)).T
+    dh, s = _truth(g, h)
+    d_dh = 0.8 * 2.0 ** -8 * np.abs(g) * np.abs(h) + 2 * _bf16_ulp(dh, dh) + 32 * U * s
+    rows = dh.shape[0]
+    bounds = {"dx": d_dh @ wfc.T + 2 * _gamma(wfc.shape[1]) * np.abs(dh) @ wfc.T,
+              "dW_fc": xc.T @ d_dh + 2 * _gamma(rows) * xc.T @ np.abs(dh),
+              "d(b_fc)": d_dh.sum(0) + 2 * _gamma(rows) * np.abs(dh).sum(0)}
+    for name, bound in bounds.items():
+        i = names.index(name)
+        assert np.any(np.asarray(half[i]) != np.asarray(keep[i])), name
+        _check(name, half[i], keep[i], bound + 1e-30)
+
+
+def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
+    """gelu: pallas-gemm-bf16h is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
+    GPT under it starts from the plain bf16 policy's loss bit for bit (the forward is unchanged) and trains to within
+    1e-3 of its losses, with the kernels (interpreted) as with XLA's path; the tiny step compiled for the H100 beside
+    gelu: pallas-gemm: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
+    (rows, 4 x embed) bytes halved in each, per layer), and the step needs less memory by that much."""
+    from jaxgpt.compile.program import resolve_policy
+    from jaxgpt.train.config import TrainConfig
+
+    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm-bf16h", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm-bf16h")
+    with pytest.raises(ConfigError, match="'pallas-gemm-bf16h' keeps h in bf16.*compute_dtype 'float32'.*pallas-gemm"):
+        Policy.fp32(gelu="pallas-gemm-bf16h")
+    with pytest.raises(ConfigError, match="'pallas-recompute', 'pallas-gemm-bf16h'"):
+        Policy(gelu="bf16h")
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm-bf16h",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
+    assert sorted(k.name for k in ks if k.gemm) == sorted(k.name for k in kg if k.gemm)
+    half_h = rows * 4 * embed * 2
+    for name in ("gemm_nn_bias_gelu", "gemm_nt_gelu_backward"):
+        b16, b32 = (sum(k.bytes for k in kk if name in k.op_name) for kk in (ks, kg))
+        assert b32 - b16 == half_h * layers, name
+    assert cg.memory()["temp"] - cs.memory()["temp"] >= half_h * layers
+    plain = tiny_adamw_losses(Policy.bf16(), 3)
+    xla = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
+    monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
+    kernels = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
+    assert xla[0] == plain[0] and xla != plain
+    np.testing.assert_allclose(xla, plain, rtol=1e-3)
+    np.testing.assert_allclose(kernels, xla, rtol=1e-4)
