@@ -93,7 +93,8 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     assert "layer_norm='pallas'" in policy["jax_bf16_pallas"] and "gelu='pallas'" in policy["jax_bf16_pallas"]
     assert "logits_dtype='bfloat16'" in policy["jax_bf16_fast"] and "logits_dtype='float32'" in policy["jax_bf16_pallas"]
     assert "gelu='pallas-gemm'" in policy["jax_bf16_gelu_gemm"] and "layer_norm='plain'" in policy["jax_bf16_gelu_gemm"]
-    assert "gelu='pallas-gemm'" in policy["jax_bf16_fast"] and "layer_norm='pallas'" in policy["jax_bf16_fast"]
+    assert "gelu='pallas-gemm-bf16h'" in policy["jax_bf16_fast"] and "layer_norm='pallas'" in policy["jax_bf16_fast"]
+    assert policy["jax_bf16_fast_h32"] == policy["jax_bf16_fast"].replace("gelu='pallas-gemm-bf16h'", "gelu='pallas-gemm'")
     assert "qkv='pallas'" in policy["jax_bf16_fast"] and "qkv='plain'" in policy["jax_bf16_pallas"]
     assert "qkv='pallas'" in policy["jax_bf16_qkv_pallas"] and "gelu='plain'" in policy["jax_bf16_qkv_pallas"]
     assert "lm_head='pallas'" in policy["jax_bf16_lm_head_pallas"] and "lm_head='pallas'" in policy["jax_bf16_fast"]
@@ -386,7 +387,7 @@ def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, 
     rows = json.loads((out / "train_step-gpu-dry.json").read_text())["rows"]
     assert {r["variant"] for r in rows} == {"jax_bf16", "jax_bf16_fast", "torch_eager_bf16"}
     fast = next(r for r in rows if r["variant"] == "jax_bf16_fast")["details"]["policy"]
-    assert "layer_norm='pallas'" in fast and "gelu='pallas-gemm'" in fast and "compute_dtype='bfloat16'" in fast
+    assert "layer_norm='pallas'" in fast and "gelu='pallas-gemm-bf16h'" in fast and "compute_dtype='bfloat16'" in fast
     assert "logits_dtype='bfloat16'" in fast and "qkv='pallas'" in fast and "lm_head='pallas'" in fast
     assert not any("error" in r for r in rows), rows
 

@@ -100,7 +100,7 @@ def commands(part: str, *, dry: bool, out: Path, text: Path | None, batch: int =
 
 # ---- compare: everything issue 32 changes, measured in one budgeted command ----------------------------------
 COMPARE = "compare"
-FASTEST = "jax_bf16_fast"  # benchmarks.gpu.worker's variant: issue 32's Pallas LayerNorm and GEMM kernels, bf16 logits
+FASTEST = "jax_bf16_fast"  # benchmarks.gpu.worker's variant: issue 32's Pallas kernels, bf16 logits and h
 COMPARE_BUDGET_S = 560.0  # the device tool's command limit is 600 s; the rest is Python's start and the copy back
 SLACK_S = 2.0  # set aside per later step beyond its need: a killed step's exit, a process start
 COMPARE_FILES = 8  # bench 2 (json, md), jaxgpt's profile 4 (json, md, hlo, trace), torch's profile 1, this part's 1

@@ -50,7 +50,8 @@ GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
                 "jax_bf16_lm_head_pallas": ("jax", "bf16", True),
                 "jax_bf16_c_proj": ("jax", "bf16", True),
                 "jax_bf16_gelu_recompute": ("jax", "bf16", True),
-                "jax_bf16_fast": ("jax", "bf16", True)}
+                "jax_bf16_fast": ("jax", "bf16", True),
+                "jax_bf16_fast_h32": ("jax", "bf16", True)}
 VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_gelu_pallas": {"gelu": "pallas"},
                   "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
                   "jax_bf16_pallas": {"layer_norm": "pallas", "gelu": "pallas"},  # both Pallas kernels
@@ -63,10 +64,14 @@ VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_ge
                   "jax_bf16_gelu_recompute": {"gelu": "pallas-recompute"},  # pallas-gemm, h recomputed
                   # Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs, c_proj's gradient from
                   # them, bf16 logits (as torch.compile's autocast writes them):
-                  # the program issue 32 predicts fastest (BENCHMARKS.md); the compare part measures it beside the
-                  # default and torch.compile (jax_bf16_pallas + bf16 logits until 2026-11-27's GEMM kernels)
-                  "jax_bf16_fast": {"layer_norm": "pallas", "gelu": "pallas-gemm", "qkv": "pallas",
-                                    "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"}}
+                  # and h kept in bf16 for GELU's backward (as torch.compile's autocast keeps it): the program issue
+                  # 32 predicts fastest (BENCHMARKS.md); the compare part measures it beside the default and
+                  # torch.compile (jax_bf16_pallas + bf16 logits until 2026-11-27's GEMM kernels; gelu pallas-gemm,
+                  # an fp32 h, until 2026-11-28: jax_bf16_fast_h32, the fastest set with the default's numerics)
+                  "jax_bf16_fast": {"layer_norm": "pallas", "gelu": "pallas-gemm-bf16h", "qkv": "pallas",
+                                    "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"},
+                  "jax_bf16_fast_h32": {"layer_norm": "pallas", "gelu": "pallas-gemm", "qkv": "pallas",
+                                        "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"}}
 
 
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
