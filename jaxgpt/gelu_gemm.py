@@ -36,8 +36,8 @@ per layer (llm.c's GELU recompute, in one kernel).
 
 ``Policy.gelu = "pallas-gemm-bf16h"`` (``h_dtype=bfloat16``) trades one rounding for traffic: the forward kernel writes
 h in bf16 (after computing gelu(h) from the fp32 h: the forward's values are unchanged) and the backward kernel
-widens it as it reads it, so gelu'(h) comes from the rounded h, as in torch autocast, which keeps its bf16 c_fc output
-for GELU's backward: 403 MB less written, read and held per layer at gpt2 b64 (the bf16 policies' parity bounds:
+widens it as it reads it, so gelu'(h) comes from the rounded h, as in torch_ref under autocast (whose c_fc GEMM writes
+h in bf16): 403 MB less written, read and held per layer at gpt2 b64 (the bf16 policies' parity bounds:
 parity_tests/tolerances.py).
 
 The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.gemm`'s.
@@ -55,7 +55,8 @@ from jaxgpt import gelu, gemm, ops
 from jaxgpt.gemm import GemmKernelError, Impl
 
 SCOPE = gelu.SCOPE  # the profile's and jaxgpt.compile's category: GELU's
-FIX = "the kernels take bf16 operands (and fp32 h): mlp(impl='xla' or 'auto') for other dtypes, or gelu: plain"
+FIX = ("the kernels take bf16 operands (and an fp32 h, or a bf16 one: gelu: pallas-gemm-bf16h): mlp(impl='xla' or "
+       "'auto') for other dtypes, or gelu: plain")
 
 
 def _fwd_kernel(x_ref, w_ref, b_ref, *out_refs, bk: int):
@@ -294,7 +295,9 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
     ``h_dtype`` bfloat16 (``Policy.gelu = "pallas-gemm-bf16h"``): h is kept for the backward rounded to bf16, as torch
     autocast keeps c_fc's bf16 output for GELU's backward: the forward's values are unchanged (gelu(h) of the fp32 h),
     the backward's gelu'(h) is computed from the rounded h (widened to fp32 as it is read): half of h's memory and of
-    its traffic in both kernels (tolerances.py: the bf16 policies' gradient and training bounds)."""
+    its traffic in both kernels (tolerances.py: the bf16 policies' gradient and training bounds). On XLA's path the
+    rounding is an f32 -> bf16 -> f32 convert pair, which XLA:GPU's excess-precision simplification may drop: a bf16
+    policy on a GPU takes the kernels, so only a direct call with ``impl="xla"`` there could see fp32 h's values."""
     if b_proj is not None and not fold:
         raise GemmKernelError("gelu_gemm.mlp adds c_proj's bias only with fold=True (else the caller adds it)")
     if b_proj is not None and tuple(b_proj.shape) != (w_proj.shape[-1],):

@@ -62,10 +62,10 @@ class Policy:
     # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas. "pallas-recompute": as
     # pallas-gemm, but the forward does not keep h (fp32, 805 MB per layer at gpt2 b64): c_proj's input-gradient
     # kernel computes it again from x, a second GEMM in the same kernel (the same values). "pallas-gemm-bf16h": as
-    # pallas-gemm, but h is kept for the backward in bf16, as torch autocast keeps c_fc's bf16 output for GELU's
-    # backward: the forward's values are pallas-gemm's, gelu'(h) comes from the rounded h (one more bf16 rounding in
-    # the gradient: the bf16 policies' bounds, parity_tests/tolerances.py); half of h's memory and traffic (403 MB
-    # less per layer at gpt2 b64). Needs bf16 compute
+    # pallas-gemm, but h is kept for the backward in bf16: the forward's values are pallas-gemm's, gelu'(h) comes from
+    # h rounded to bf16, as in torch_ref under autocast (whose c_fc GEMM writes h in bf16): one more bf16 rounding in
+    # the gradient, the bf16 policies' bounds (parity_tests/tolerances.py); half of h's memory and traffic (403 MB
+    # less per layer at gpt2 b64). Needs bf16 compute (precision: bf16 where auto picks fp32, as on AVX2-only CPUs)
     gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"
     # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
     # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
@@ -81,7 +81,7 @@ class Policy:
     # the attention's c_proj (jaxgpt.norm.layer_norm_branch's proj): "plain" (its output is added to the residual
     # stream by ln_2's kernel; on GPUs an XLA pass reads that sum's fp32 gradient back to round it to bf16 for c_proj's
     # backward GEMMs and to sum it for its bias gradient) or "pallas" (ln_2's backward kernel writes the rounded copy
-    # and the sum's partials itself; under gelu pallas-gemm or pallas-recompute the MLP's input-gradient GEMM does the
+    # and the sum's partials itself; under gelu pallas-gemm (-recompute, -bf16h) the MLP's input-gradient GEMM does the
     # same for the MLP's c_proj: the same values but for the order of the bias gradients' sums). Needs layer_norm
     # pallas, gemm_output float32, fast_kernels and no fp8 on the attention's GEMMs
     c_proj: Literal["plain", "pallas"] = "plain"
@@ -149,7 +149,8 @@ class Policy:
             raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or "
                               f"fp32 compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
                               f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
-                              f"fast_kernels {self.fast_kernels}: use precision bf16 or fp32, or gelu: plain")
+                              f"fast_kernels {self.fast_kernels}: use precision "
+                              f"{'bf16' if self.gelu == 'pallas-gemm-bf16h' else 'bf16 or fp32'}, or gelu: plain")
         if self.gelu == "pallas-gemm-bf16h" and self.compute_dtype != "bfloat16":
             raise ConfigError(f"Policy.gelu = 'pallas-gemm-bf16h' keeps h in bf16 for a bf16 policy's backward; got "
                               f"compute_dtype {self.compute_dtype!r}: use precision bf16, or gelu: pallas-gemm")

@@ -38,13 +38,13 @@ class TrainConfig:
     # pallas = jaxgpt.gelu's one-kernel GELU backward; pallas-gemm = jaxgpt.gelu_gemm: GELU in the c_fc and c_proj
     # GEMMs' epilogues (GPUs; plain's values); pallas-recompute = pallas-gemm without keeping h (c_proj's
     # input-gradient kernel recomputes it: 805 MB less per layer at gpt2 b64); pallas-gemm-bf16h = pallas-gemm keeping
-    # h in bf16, as torch autocast does (403 MB less per layer; gelu'(h) from the rounded h: bf16 precision only)
+    # h in bf16 (403 MB less per layer; gelu'(h) from the rounded h, as torch autocast's: precision bf16 only)
     qkv: Literal["plain", "pallas"] = "plain"  # Policy.qkv: pallas = q, k, v's bias add + bf16 in their GEMMs (GPUs)
     # Policy.lm_head: pallas = the loss's row max and sum of exp in the bf16 logits GEMM's epilogue (GPUs; needs
     # logits_dtype: bfloat16)
     lm_head: Literal["plain", "pallas"] = "plain"
     # Policy.c_proj: pallas = ln_2's backward kernel also writes the attention c_proj's bf16 output gradient and bias
-    # gradient partial sums, and under gelu: pallas-gemm (-recompute, -bf16h) the MLP's input-gradient GEMM does the same
+    # gradient partial sums, and under gelu: pallas-gemm (and its variants) the MLP's input-gradient GEMM does the same
     # for the MLP's c_proj (GPUs; needs layer_norm: pallas)
     c_proj: Literal["plain", "pallas"] = "plain"
     # Policy.logits_dtype: the dtype the lm_head writes its logits in, the loss and its gradient then computed in fp32
