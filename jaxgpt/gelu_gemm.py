@@ -292,12 +292,13 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
     per layer at gpt2 b64); the backward computes it again from x, w_fc and b_fc, on GPUs inside the
     input-gradient GEMM's kernel (a second GEMM per tile, as the forward kernel computed it: the same values).
 
-    ``h_dtype`` bfloat16 (``Policy.gelu = "pallas-gemm-bf16h"``): h is kept for the backward rounded to bf16, as torch
-    autocast keeps c_fc's bf16 output for GELU's backward: the forward's values are unchanged (gelu(h) of the fp32 h),
-    the backward's gelu'(h) is computed from the rounded h (widened to fp32 as it is read): half of h's memory and of
-    its traffic in both kernels (tolerances.py: the bf16 policies' gradient and training bounds). On XLA's path the
-    rounding is an f32 -> bf16 -> f32 convert pair, which XLA:GPU's excess-precision simplification may drop: a bf16
-    policy on a GPU takes the kernels, so only a direct call with ``impl="xla"`` there could see fp32 h's values."""
+    ``h_dtype`` bfloat16 (``Policy.gelu = "pallas-gemm-bf16h"``): h is kept for the backward rounded to bf16 (torch_ref
+    under autocast takes gelu'(h) at its bf16 c_fc output too): the forward's values are unchanged (gelu(h) of the
+    fp32 h), the backward's gelu'(h) is computed from the rounded h (widened to fp32 as it is read): half of h's
+    memory and of its traffic in both kernels (tolerances.py: the bf16 policies' gradient and training bounds). On
+    XLA's path the rounding is an f32 -> bf16 -> f32 convert pair, which XLA:GPU's excess-precision simplification
+    may drop: a bf16 policy on a GPU takes the kernels, so only a direct call with ``impl="xla"`` there could see
+    fp32 h's values."""
     if b_proj is not None and not fold:
         raise GemmKernelError("gelu_gemm.mlp adds c_proj's bias only with fold=True (else the caller adds it)")
     if b_proj is not None and tuple(b_proj.shape) != (w_proj.shape[-1],):

@@ -21,34 +21,41 @@ OUT = RESULTS / "analysis-gpu-h100-changes.md"
 MEASURED_B64_MS = 176.6  # the 2026-11-26 H100, jax 0.11.2 (benchmarks/results/train_step-gpu-h100.json)
 TARGETS_MS = {"b64": 131.0, "b16": 39.5, "yaml": 1050.0}
 
+# the setting of the fastest set's row, and of the same set with the default's numerics (an fp32 h for GELU's
+# backward), the fastest set's until 2026-11-28
+FAST_H32 = ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
+            "logits_dtype=bfloat16")
+FASTEST = FAST_H32.replace("gelu=pallas-gemm ", "gelu=pallas-gemm-bf16h ")
+
+
+def _stems(stem: str, *, yaml: str = "gpt2-124m") -> dict[str, str]:
+    """The {program: file stem} of a row whose three programs were compiled under one stem (``yaml``: the recipe's
+    suffix, "yaml" in the first rows' files)."""
+    return {"b64": f"{stem}-b64", "b16": f"{stem}-b16", "yaml": f"{stem}-{yaml}"}
+
+
 # (change, setting, {program: file stem}) in the order the changes were made
 CHANGES: list[tuple[str, str, dict[str, str]]] = [
-    ("baseline: the default program (2026-11-26 code)", "-", {
-        "b64": "baseline-b64", "b16": "baseline-b16", "yaml": "baseline-gpt2-124m"}),
-    ("loss: the logits GEMM writes its chunk once (barrier; the mask moves into its readers)", "default (GPUs)", {
-        "b64": "loss-barrier-b64", "b16": "loss-barrier-b16", "yaml": "loss-barrier-yaml"}),
+    ("baseline: the default program (2026-11-26 code)", "-", _stems("baseline")),
+    ("loss: the logits GEMM writes its chunk once (barrier; the mask moves into its readers)", "default (GPUs)",
+     _stems("loss-barrier", yaml="yaml")),
     ("loss: bf16 logits written once, lse and softmax in fp32 (llm.c / autocast numerics; a user setting since "
      "2026-11-27, the same program)",
-     "logits_dtype=bfloat16", {
-         "b64": "loss-bf16-logits-b64", "b16": "loss-bf16-logits-b16", "yaml": "loss-bf16-logits-yaml"}),
+     "logits_dtype=bfloat16", _stems("loss-bf16-logits", yaml="yaml")),
     ("precision: bf16-autocast (bf16 GEMM outputs + bf16 logits; GELU recomputed in the backward)",
-     "precision=bf16-autocast", {
-         "b64": "autocast-b64", "b16": "autocast-b16", "yaml": "autocast-gpt2-124m"}),
-    ("LayerNorm with a two-pass custom backward", "layer_norm=fused", {
-        "b64": "layernorm-fused-b64", "b16": "layernorm-fused-b16", "yaml": "layernorm-fused-gpt2-124m"}),
-    ("gradient norm: the 98 small leaves in one reduction", "optim.grad_norm=grouped", {
-        "b64": "grad-norm-grouped-b64", "b16": "grad-norm-grouped-b16", "yaml": "grad-norm-grouped-gpt2-124m"}),
+     "precision=bf16-autocast", _stems("autocast")),
+    ("LayerNorm with a two-pass custom backward", "layer_norm=fused", _stems("layernorm-fused")),
+    ("gradient norm: the 98 small leaves in one reduction", "optim.grad_norm=grouped", _stems("grad-norm-grouped")),
     ("fp8 (issue 33): every forward GEMM in e4m3, current scaling (cuBLASLt fp8 GEMMs, Triton GEMMs off)",
      "precision=fp8", {"b64": "fp8-b64"}),
     ("fp8: the lm_head's GEMM alone in e4m3", "precision=fp8 fp8_gemms=lm_head", {"b64": "fp8-lm_head-b64"}),
     ("fp8: the MLP's and the lm_head's GEMMs in e4m3", "precision=fp8 fp8_gemms=mlp+lm_head",
      {"b64": "fp8-mlp_lm_head-b64"}),
     ("MLP: GELU's backward as one Pallas kernel (bf16 dh and the bias gradient's partial sums in one pass; the c_fc "
-     "GEMM's backward in its custom VJP)", "gelu=pallas", {
-         "b64": "gelu-pallas-b64", "b16": "gelu-pallas-b16", "yaml": "gelu-pallas-gpt2-124m"}),
+     "GEMM's backward in its custom VJP)", "gelu=pallas", _stems("gelu-pallas")),
     ("LayerNorm's backward as one Pallas kernel that also adds the residual stream's gradient (the blocks' LayerNorms "
-     "as (x, ln(x)) branches; d(scale), d(bias) as per-block partial sums)", "layer_norm=pallas", {
-         "b64": "layernorm-pallas-b64", "b16": "layernorm-pallas-b16", "yaml": "layernorm-pallas-gpt2-124m"}),
+     "as (x, ln(x)) branches; d(scale), d(bias) as per-block partial sums)", "layer_norm=pallas",
+     _stems("layernorm-pallas")),
     ("all opt-in changes together: bf16-autocast + fused LayerNorm + grouped norm",
      "precision=bf16-autocast layer_norm=fused optim.grad_norm=grouped", {"b64": "combined-b64"}),
     ("all opt-in changes of the bf16 policy together: fused LayerNorm + grouped norm + Pallas GELU backward "
@@ -59,140 +66,113 @@ CHANGES: list[tuple[str, str, dict[str, str]]] = [
     ("LayerNorm kernel: ln_1 hands the attention's q, k and v GEMMs one copy of ln(x) each, and its backward kernel "
      "sums their three fp32 input gradients as it reads them (no XLA add pass, which moved 0.8 GB per layer at b64; "
      "the kernel reads 0.4 GB more)",
-     "layer_norm=pallas", {"b64": "layernorm-pallas-qkv-b64", "b16": "layernorm-pallas-qkv-b16",
-                           "yaml": "layernorm-pallas-qkv-gpt2-124m"}),
+     "layer_norm=pallas", _stems("layernorm-pallas-qkv")),
     ("the bf16 policy with both Pallas kernels (ln_1's kernel summing q, k and v's gradients) + grouped norm",
      "layer_norm=pallas gelu=pallas optim.grad_norm=grouped", {"b64": "combined-bf16-lnpallas-qkv-gelu-b64"}),
     ("the fastest set predicted: both Pallas kernels + grouped norm + bf16 logits (bench variant jax_bf16_fast, "
      "without the grouped norm; the session's compare part measures it)",
-     "layer_norm=pallas gelu=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-bf16-pallas-logits-b64", "b16": "combined-bf16-pallas-logits-b16",
-         "yaml": "combined-bf16-pallas-logits-gpt2-124m"}),
+     "layer_norm=pallas gelu=pallas optim.grad_norm=grouped logits_dtype=bfloat16",
+     _stems("combined-bf16-pallas-logits")),
     (("LayerNorm kernel, forward: the blocks' LayerNorms as one Pallas pass each (ln_2's also adding the attention's "
       "output to the residual stream) that writes ln(x) in bf16, the GEMMs' operand dtype, and the row statistics the "
       "backward kernel reads; returned as fp32, so the gradients stay fp32 (XLA folds the cast pair). XLA's forward "
       "read the sum three times: add + mean, variance, normalise + convert"),
-     "layer_norm=pallas", {"b64": "layernorm-pallas-fwd-b64", "b16": "layernorm-pallas-fwd-b16",
-                           "yaml": "layernorm-pallas-fwd-gpt2-124m"}),
+     "layer_norm=pallas", _stems("layernorm-pallas-fwd")),
     (("the fastest set predicted, with the LayerNorm forward kernel (bench variant jax_bf16_fast, without the grouped "
-      "norm)"), "layer_norm=pallas gelu=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-fast-lnfwd-b64", "b16": "combined-fast-lnfwd-b16", "yaml": "combined-fast-lnfwd-gpt2-124m"}),
+      "norm)"), "layer_norm=pallas gelu=pallas optim.grad_norm=grouped logits_dtype=bfloat16",
+      _stems("combined-fast-lnfwd")),
     (("MLP: GELU in the GEMMs' epilogues, two Pallas Triton GEMMs (c_fc's adds the bias and writes h and the bf16 "
       "gelu(h); c_proj's input-gradient GEMM multiplies by gelu'(h) and writes the bf16 dh and the bias gradient's "
       "partial sums: the fp32 GELU input gradient is never written). Priced as the least efficient measured GEMM "
       "rate for the GEMM plus the epilogue's extra bytes at the least efficient fusion rate, one after the other; "
       "Triton GEMMs on an H100 usually run below cuBLAS's rates, which only a lent GPU can show"),
-     "gelu=pallas-gemm", {"b64": "gelu-pallas-gemm-b64", "b16": "gelu-pallas-gemm-b16",
-                          "yaml": "gelu-pallas-gemm-gpt2-124m"}),
+     "gelu=pallas-gemm", _stems("gelu-pallas-gemm")),
     ("the fastest set predicted, with GELU in the Pallas GEMMs (bench variant jax_bf16_fast, without the grouped norm)",
-     "layer_norm=pallas gelu=pallas-gemm optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-fast-gemm-b64", "b16": "combined-fast-gemm-b16", "yaml": "combined-fast-gemm-gpt2-124m"}),
+     "layer_norm=pallas gelu=pallas-gemm optim.grad_norm=grouped logits_dtype=bfloat16", _stems("combined-fast-gemm")),
     (("attention: q, k and v as one Pallas Triton GEMM each whose epilogue adds the bias and writes the bf16 operand "
       "cuDNN takes (XLA's GEMM wrote fp32 and attention's convert pass read it back: 36 passes of 302 MB per b64 "
       "step). Priced as above"),
-     "qkv=pallas", {"b64": "qkv-pallas-b64", "b16": "qkv-pallas-b16", "yaml": "qkv-pallas-gpt2-124m"}),
+     "qkv=pallas", _stems("qkv-pallas")),
     ("the fastest set predicted, with q, k and v in Pallas GEMMs too (bench variant jax_bf16_fast, without the grouped "
-     "norm)", "layer_norm=pallas gelu=pallas-gemm qkv=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-fast-qkv-b64", "b16": "combined-fast-qkv-b16", "yaml": "combined-fast-qkv-gpt2-124m"}),
+     "norm)", "layer_norm=pallas gelu=pallas-gemm qkv=pallas optim.grad_norm=grouped logits_dtype=bfloat16",
+     _stems("combined-fast-qkv")),
     (("loss: the bf16 logits GEMM as a Pallas GEMM that also writes each tile's row max and sum of exp (combined in a "
       "small reduction), so no pass re-reads a chunk's logits for them; chunks of 4,096 rows (16 at b64, none "
       "padded). Priced as above; against the bf16 logits row"),
-     "logits_dtype=bfloat16 lm_head=pallas", {"b64": "lm-head-pallas-b64", "b16": "lm-head-pallas-b16",
-                                              "yaml": "lm-head-pallas-gpt2-124m"}),
+     "logits_dtype=bfloat16 lm_head=pallas", _stems("lm-head-pallas")),
     ("the fastest set predicted, with the loss's Pallas logits GEMM too (bench variant jax_bf16_fast, without the "
      "grouped norm)",
-     "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-fast-lse-b64", "b16": "combined-fast-lse-b16", "yaml": "combined-fast-lse-gpt2-124m"}),
+     "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16",
+     _stems("combined-fast-lse")),
     (("attention, qkv=pallas's backward: the input gradient of q, k and v as one Pallas GEMM over the three "
       "gradients ([dq dk dv] @ W_attn^T, one fp32 sum, as the CPU's single c_attn GEMM) that also sums their bias "
       "gradient's columns, so ln_1 hands the projections one ln(x), its backward kernel reads one gradient, not "
       "three, and no pass re-reads dq, dk, dv for the bias. Priced as above"),
-     "qkv=pallas", {"b64": "qkv-pallas-sum-b64", "b16": "qkv-pallas-sum-b16", "yaml": "qkv-pallas-sum-gpt2-124m"}),
+     "qkv=pallas", _stems("qkv-pallas-sum")),
     ("the fastest set predicted, with q, k and v's input gradient as one GEMM (bench variant jax_bf16_fast, without "
      "the grouped norm)",
-     "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16", {
-         "b64": "combined-fast-qkvsum-b64", "b16": "combined-fast-qkvsum-b16",
-         "yaml": "combined-fast-qkvsum-gpt2-124m"}),
+     "layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas optim.grad_norm=grouped logits_dtype=bfloat16",
+     _stems("combined-fast-qkvsum")),
     (("c_proj: ln_2's backward kernel also writes the attention c_proj's output gradient rounded to bf16 and its "
       "column sums (c_proj's bias gradient), so its backward GEMMs read those and no XLA pass reads the fp32 gradient "
       "back (12 passes of 302 MB per b64 step); with gelu=pallas-gemm the MLP's input-gradient GEMM does the same "
       "for its c_proj, reading the fp32 gradient (12 more). The same values but for the bias gradients' order of "
       "sum. Priced as above: the GEMM's lhs at bf16, the fp32 read's other half as epilogue. Against layer_norm=pallas "
       "alone (the LayerNorm forward kernel's row, as the code compiles it today): 154.7 -> 154.0 ms at b64"),
-     "layer_norm=pallas c_proj=pallas", {"b64": "c-proj-pallas-b64", "b16": "c-proj-pallas-b16",
-                                         "yaml": "c-proj-pallas-gpt2-124m"}),
+     "layer_norm=pallas c_proj=pallas", _stems("c-proj-pallas")),
     ("the fastest set predicted, with c_proj's gradient from the kernels (bench variant jax_bf16_fast, without the "
      "grouped norm)",
-     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {
-         "b64": "combined-fast-cproj-b64", "b16": "combined-fast-cproj-b16",
-         "yaml": "combined-fast-cproj-gpt2-124m"}),
+     FAST_H32, _stems("combined-fast-cproj")),
     (("MLP, for memory: gelu=pallas-recompute, pallas-gemm without keeping h (fp32, 805 MB per layer at b64): c_proj's "
       "input-gradient kernel computes it again from x, a second GEMM in the kernel (the same values). Slower as "
       "priced (the recomputed GEMM at the slowest measured GEMM rate costs more than the 1.6 GB per layer of h "
       "written and read back at the slowest fusion rate: 155.2 -> 155.6 ms at b64), 9.0 GiB less at b64"),
-     "gelu=pallas-recompute", {"b64": "gelu-pallas-recompute-b64", "b16": "gelu-pallas-recompute-b16",
-                               "yaml": "gelu-pallas-recompute-gpt2-124m"}),
+     "gelu=pallas-recompute", _stems("gelu-pallas-recompute")),
     ("the fastest set with gelu=pallas-recompute instead of pallas-gemm (the least memory of the fast settings)",
      ("layer_norm=pallas gelu=pallas-recompute qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
       "logits_dtype=bfloat16"), {"b64": "combined-fast-recompute-b64"}),
     (("LayerNorm kernel: ln_1's forward kernel adds the previous block's MLP output to the residual stream, as ln_2's "
       "adds the attention's (the Block hands the sum on unmade, model.Residual, where the kernels run): 11 XLA adds "
       "of 604 MB per b64 step gone, the kernels reading the two arrays instead of one. The same values"),
-     "layer_norm=pallas", {"b64": "layernorm-pallas-resid-b64", "b16": "layernorm-pallas-resid-b16",
-                           "yaml": "layernorm-pallas-resid-gpt2-124m"}),
+     "layer_norm=pallas", _stems("layernorm-pallas-resid")),
     ("the fastest set predicted, with ln_1 adding the MLP's output (bench variant jax_bf16_fast, without the grouped "
      "norm)",
-     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {"b64": "combined-fast-resid-b64", "b16": "combined-fast-resid-b16",
-                                 "yaml": "combined-fast-resid-gpt2-124m"}),
+     FAST_H32, _stems("combined-fast-resid")),
     (("qkv=pallas: each forward GEMM reads its column block of W_attn and b_attn in place (gemm_bias_cast(column_"
       "block=)) instead of a sliced copy: 72 small copy kernels per step gone (the fastest set at b16: 40.37 -> "
       "40.25 ms). The same values. Its files also hold the next row's change"),
-     "qkv=pallas", {"b64": "qkv-pallas-inplace-b64", "b16": "qkv-pallas-inplace-b16",
-                    "yaml": "qkv-pallas-inplace-gpt2-124m"}),
+     "qkv=pallas", _stems("qkv-pallas-inplace")),
     (("loss, on GPUs: the lm_head's dW accumulated as W is laid out, (V, C), its transpose folded into the dW GEMM (the "
       "same TN class and FLOPs), so no pass transposes the fp32 wte gradient after the chunks (309 MB per step; the "
       "fastest set at b16: 40.25 -> 40.14 ms). Every GPU program, the default's too; the CPUs keep their layout"),
-     "default (GPUs)", {"b64": "loss-dw-vc-b64", "b16": "loss-dw-vc-b16", "yaml": "loss-dw-vc-gpt2-124m"}),
+     "default (GPUs)", _stems("loss-dw-vc")),
     ("the fastest set predicted, with both (bench variant jax_bf16_fast, without the grouped norm)",
-     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {"b64": "combined-fast-inplace-dw-b64", "b16": "combined-fast-inplace-dw-b16",
-                                 "yaml": "combined-fast-inplace-dw-gpt2-124m"}),
+     FAST_H32, _stems("combined-fast-inplace-dw")),
     (("loss, lm_head=pallas: chunks of 2 GiB of bf16 logits (fused_loss.CE_CHUNK_ELEMENTS_LSE, 2^30) where the other "
       "paths keep 2^28 fp32 logits: gpt2 b16's loss is one chunk, no loop (each chunk's slices, dW carry and dh "
       "copies gone), b64's four of 16,384 rows where it was 16 of 4,096. The same values but for the order of the "
       "dW sum over chunks. The fastest set: 40.14 -> 39.94 ms at b16, 130.15 -> 129.93 at b64, 979.8 -> 978.0 for "
       "the recipe; memory 28.1 -> 30.1 GiB at b64 (each chunk's bf16 logits and softmax gradient: 3.3 GB, not 0.8)"),
-     "logits_dtype=bfloat16 lm_head=pallas", {"b64": "lm-head-pallas-chunk-b64", "b16": "lm-head-pallas-chunk-b16",
-                                              "yaml": "lm-head-pallas-chunk-gpt2-124m"}),
+     "logits_dtype=bfloat16 lm_head=pallas", _stems("lm-head-pallas-chunk")),
     ("the fastest set predicted, with the loss's larger chunks (bench variant jax_bf16_fast, without the grouped norm)",
-     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {"b64": "combined-fast-chunk-b64", "b16": "combined-fast-chunk-b16",
-                                 "yaml": "combined-fast-chunk-gpt2-124m"}),
+     FAST_H32, _stems("combined-fast-chunk")),
     (("LayerNorm kernels: ln_f runs them too (LayerNorm.branch(residual=False)): its forward kernel adds the last "
       "block's MLP output and writes ln(x) in bf16 for the lm_head, its backward kernel reads no residual gradient; "
       "XLA's residual add, its LayerNorm passes and the convert of h to bf16 are gone. The same values but for the "
       "order of fp32 sums (the fastest set at b16: 39.94 -> 39.87 ms)"),
-     "layer_norm=pallas", {"b64": "layernorm-pallas-lnf-b64", "b16": "layernorm-pallas-lnf-b16",
-                           "yaml": "layernorm-pallas-lnf-gpt2-124m"}),
+     "layer_norm=pallas", _stems("layernorm-pallas-lnf")),
     ("the fastest set predicted, with ln_f's kernels (bench variant jax_bf16_fast, without the grouped norm)",
-     ("layer_norm=pallas gelu=pallas-gemm qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {"b64": "combined-fast-lnf-b64", "b16": "combined-fast-lnf-b16",
-                                 "yaml": "combined-fast-lnf-gpt2-124m"}),
+     FAST_H32, _stems("combined-fast-lnf")),
     (("MLP, one more bf16 rounding (torch autocast's, which keeps its bf16 c_fc output for GELU's backward): "
       "gelu=pallas-gemm-bf16h, pallas-gemm keeping h in bf16 (the forward's values unchanged, gelu'(h) from the "
       "rounded h; held to the bf16 policies' gradient and 20-step bounds, parity_tests/tolerances.py): 403 MB less "
       "written, read and held per layer at b64, 4.5 GiB in all. The reader prices the forward kernel's h as its "
       "GEMM's output (by FLOPs), so only the backward's read shows; the fastest set: 129.69 -> 127.71 ms at b64, "
       "39.87 -> 39.38 at b16, 976.1 -> 960.2 for the recipe"),
-     "gelu=pallas-gemm-bf16h", {"b64": "gelu-pallas-gemm-bf16h-b64", "b16": "gelu-pallas-gemm-bf16h-b16",
-                                "yaml": "gelu-pallas-gemm-bf16h-gpt2-124m"}),
+     "gelu=pallas-gemm-bf16h", _stems("gelu-pallas-gemm-bf16h")),
     ("the fastest set predicted, with h in bf16 (bench variant jax_bf16_fast, without the grouped norm; "
      "jax_bf16_fast_h32 is the set with ln_f's kernels two rows up, the default's numerics)",
-     ("layer_norm=pallas gelu=pallas-gemm-bf16h qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-      "logits_dtype=bfloat16"), {"b64": "combined-fast-bf16h-b64", "b16": "combined-fast-bf16h-b16",
-                                 "yaml": "combined-fast-bf16h-gpt2-124m"}),
+     FASTEST, _stems("combined-fast-bf16h")),
 ]
 
 
@@ -227,11 +207,6 @@ def rows() -> list[dict[str, Any]]:
                             "vs_baseline": ms / ref - 1 if ref else None}
         out.append(row)
     return out
-
-
-# the setting of the fastest set's row
-FASTEST = ("layer_norm=pallas gelu=pallas-gemm-bf16h qkv=pallas lm_head=pallas c_proj=pallas optim.grad_norm=grouped "
-           "logits_dtype=bfloat16")
 
 
 def files_of(setting: str) -> dict[str, str]:
