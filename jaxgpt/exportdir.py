@@ -69,20 +69,26 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return m if isinstance(m, dict) and m.get("format") == "jaxgpt-export" else None
 
 
+def export_record(path: str | os.PathLike) -> dict[str, Any]:
+    """The marker an export of ours carries (a directory's ``jaxgpt_export.json``, or the record inside a ``.pt``
+    archive): the run and step it came from, its tokenizer and, since exports record it, its model config
+    (``model``). ``{}`` when there is none (not an export of ours, or unreadable)."""
+    path = Path(path)
+    if path.is_dir():
+        return _read_marker(path) or {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next((n for n in z.namelist() if n.endswith("/" + MARKER)), None)
+            m = json.loads(z.read(name)) if name else {}
+    except (OSError, ValueError, zipfile.BadZipFile):
+        m = {}
+    return m if isinstance(m, dict) else {}
+
+
 def export_tokenizer(path: str | os.PathLike) -> dict[str, Any] | None:
     """The tokenizer record an export of ours carries in its marker (a character model's vocabulary); None:
     GPT-2's BPE (a Hugging Face directory, or an export of a BPE model). A ``.pt`` file: its archive's record."""
-    path = Path(path)
-    if path.is_dir():
-        m = _read_marker(path) or {}
-    else:
-        try:
-            with zipfile.ZipFile(path) as z:
-                name = next((n for n in z.namelist() if n.endswith("/" + MARKER)), None)
-                m = json.loads(z.read(name)) if name else {}
-        except (OSError, ValueError, zipfile.BadZipFile):
-            m = {}
-    rec = m.get("tokenizer") if isinstance(m, dict) else None
+    rec = export_record(path).get("tokenizer")
     return rec if isinstance(rec, dict) else None
 
 

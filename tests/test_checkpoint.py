@@ -168,6 +168,29 @@ def test_export_to_hf_and_torch(tmp_path, trained, capsys):
     assert "no checkpoints here" in capsys.readouterr().err
 
 
+def test_torch_ref_loads_a_to_torch_export(tmp_path, trained):
+    """``torch_ref.load.from_export`` rebuilds the model from the config the export records (no GPTConfig by
+    hand) and gives jaxgpt's logits; a file without that record is refused in one message naming the fix."""
+    from torch_ref.load import from_export
+
+    with Checkpoints(tmp_path / "run") as ckpts:
+        _save(ckpts, 2, trained)
+    out = export(tmp_path / "run", to_torch=tmp_path / "ref.pt")
+    ref = from_export(out["torch"], attention="math")
+    assert ref.config == CFG
+    idx = np.arange(2 * 16).reshape(2, 16) % CFG.vocab_size
+    jax_logits = np.asarray(load_model(tmp_path / "run")(idx))[..., :CFG.vocab_size]
+    with torch.no_grad():
+        torch_logits, _ = ref(torch.from_numpy(idx))
+    np.testing.assert_allclose(torch_logits.numpy(), jax_logits, atol=2e-5)
+
+    torch.save(torch.load(out["torch"]), tmp_path / "bare.pt")  # the same weights without the export's record
+    with pytest.raises(ValueError, match="export the run again"):
+        from_export(tmp_path / "bare.pt")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        from_export(tmp_path / "nope.pt")
+
+
 def test_keep_best_survives_a_restart(tmp_path):
     """keep_best keeps the step with the lowest val_loss besides the newest ``keep``, also after the manager is
     reopened (a resumed run): the val losses are written beside each step, so a new manager still knows which

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxgpt.checkpoint.manager import Checkpoints
-from jaxgpt.config import GPTConfig
+from jaxgpt.config import GPTConfig, to_dict
 
 
 def _stderr(msg: str) -> None:
@@ -108,7 +108,8 @@ def export(run_dir: str | os.PathLike, *, to_hf: str | os.PathLike | None = None
 
         state_dict = weights.to_torch_state_dict(model)
         need = sum(t.numel() * t.element_size() for t in state_dict.values())
-        with exportdir.staged_file(pt, exportdir.marker("torch_ref state_dict", **source), need=need) as tmp:
+        mark = exportdir.marker("torch_ref state_dict", **source, model=to_dict(model.config))  # torch_ref.load.from_export
+        with exportdir.staged_file(pt, mark, need=need) as tmp:
             torch.save(state_dict, tmp)
         out["torch"] = pt
     return out
