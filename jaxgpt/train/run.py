@@ -308,7 +308,10 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             self.policy.compute_dtype, e4m3_fraction=e4m3_fraction(m, seq_len=cfg.seq_len, fp8_gemms=self.policy.fp8))
         self.n_dev = jax.device_count()
         self.say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({m.n_layer}L {m.n_head}H {m.n_embd}C, vocab rows "
-                 f"{m.vocab_rows}), init {cfg.init_from}, {self.policy.compute_dtype} compute"
+                 f"{m.vocab_rows}), "
+                 + (f"resumed (run begun from {cfg.init_from})" if self.resumed_from is not None
+                    else f"init {cfg.init_from}")
+                 + f", {self.policy.compute_dtype} compute"
                  + (f" with e4m3 forward GEMMs (fp8_gemms {self.policy.fp8})" if self.policy.fp8 != "none" else "")
                  + f", {self.n_dev} x "
                  f"{jax.devices()[0].device_kind}, {self.pcount} process(es)")
