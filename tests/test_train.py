@@ -138,6 +138,41 @@ def test_max_steps_inside_the_schedule_warns_in_one_line_with_the_flags_that_fit
     assert capsys.readouterr().err.startswith("warning: max_steps 30 ends the run inside the learning-rate warm-up")
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "configs/nope.yaml"], "error: config file 'configs/nope.yaml' does not exist"),
+    (["--batch_size=-3"], "error: TrainConfig.batch_size = -3: must be an integer >= 1"),
+    (["--optim.lrr=1"], "error: OptimConfig: unknown key(s) ['lrr']; valid keys are ["),
+    (["positional"], "error: unexpected argument 'positional'"),
+])
+def test_torch_ref_train_has_jaxgpt_trains_config_errors(capsys, args, expected):
+    from torch_ref import train as ref_train
+
+    assert main(args) == ref_train.main(args) == 2
+    jax_err, torch_err = capsys.readouterr().err.splitlines()
+    assert jax_err == torch_err and torch_err.startswith(expected), torch_err
+
+
+def test_torch_ref_train_help_and_its_output_folder(tmp_path, capsys):
+    from torch_ref import train as ref_train
+
+    assert ref_train.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    head, usage_line = out.split("\n\n")[:2]
+    assert head.startswith("python -m torch_ref.train: jaxgpt.train's run of a config, in plain PyTorch") and \
+        head.endswith("(beside jaxgpt's run, not over it).") and "``" not in head  # the whole description
+    assert usage_line == "usage: python -m torch_ref.train [--config FILE] [--print-config] [--FIELD=VALUE ...]"
+    for field in ("--optim.lr=<float>", "--model.n_layer=<int>", "--max_steps=<int>", "--out_dir=<str>"):
+        assert f"\n  {field}\n" in out
+    assert "--gelu=" not in out and "--mesh." not in out  # jaxgpt's alone: not read
+    out_dir = tmp_path / "torch-run"
+    assert ref_train.main(TINY + ["--max_steps=1", "--eval_steps=1", "--sample_len=2", f"--out_dir={out_dir}",
+                                  f"--data_dir={REPO / 'data_cache' / 'shakespeare'}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"writing metrics.jsonl, samples.txt and summary.json to {out_dir}\n" in printed
+    assert f"metrics.jsonl, samples.txt, summary.json in {out_dir}\n" in printed
+    assert {p.name for p in out_dir.iterdir()} == {"metrics.jsonl", "samples.txt", "summary.json"}
+
+
 def test_print_config(capsys):
     assert main(TINY + ["--print-config", "--optim.lr=2e-3"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
