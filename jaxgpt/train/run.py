@@ -180,12 +180,13 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
         cfg = self.cfg
         self.data_dir = cfg.resolved_data_dir()
-        if not data_lib.is_prepared(self.data_dir):  # (shards without a manifest count: used as they are)
-            if cfg.data_source.startswith(data_lib.HF_PREFIX):  # large: prepared on purpose, with its options
-                raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
-                                  f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config "
-                                  "file)")
-            # another run preparing the same directory holds its lock: wait for it, then use what it made
+        hf = cfg.data_source.startswith(data_lib.HF_PREFIX)
+        if hf and not data_lib.is_prepared(self.data_dir):  # large: prepared on purpose, with its options
+            raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
+                              f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config file)")
+        if not hf:  # prepared shards are used as they are (those without a manifest too), unless jaxgpt built them
+            # from a text since replaced (jaxgpt.data.prepare._source_changed); another run preparing the same
+            # directory holds its lock: wait for it, then use what it made
             data_lib.ensure_prepared(cfg.data_source, self.data_dir, option="data_dir", tokenizer=cfg.tokenizer)
         self.train_loader = data_lib.DataLoader(
             self.data_dir, "train", cfg.batch_size * self.micro_steps, cfg.seq_len, mode=cfg.loader_mode,
