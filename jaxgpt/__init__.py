@@ -7,6 +7,10 @@ if _sys.argv[:1] == ["-m"]:  # `python -m jaxgpt.<tool>` is importing the tool's
 
     guard_package_imports()
 
+from jaxgpt.gpu_env import quiet_cuda_plugin_without_gpu  # noqa: E402
+
+quiet_cuda_plugin_without_gpu()  # (make gpu-compile on a machine without a GPU: one line, not a traceback)
+
 from jaxgpt.config import ConfigError, GPTConfig  # noqa: E402
 
 __all__ = ["ConfigError", "GPTConfig"]

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxgpt.config import ConfigError, GPTConfig
+from jaxgpt.localpath import looks_like_path, no_such_directory
 from jaxgpt.model import GPT
 from jaxgpt.precision import Policy
 
@@ -51,9 +52,9 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     if path.is_dir():
         return path
     name = str(name_or_path)
-    looks_like_repo = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
-    if not looks_like_repo:
-        raise CheckpointError(f"checkpoint {name!r}: no such file or directory")
+    looks_like_repo = re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not looks_like_path(name)
+    if not looks_like_repo:  # runs/typo beside runs/: a missing directory, never a hub name
+        raise CheckpointError(f"checkpoint {name!r}: {no_such_directory(name)}")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -66,8 +67,8 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:  # no network, unknown repo, offline mode...
         raise CheckpointError(
-            f"checkpoint {name!r}: not a local directory, not in the Hugging Face cache, and the hub could not "
-            f"be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass a local "
+            f"checkpoint {name!r}: {no_such_directory(name).replace('directory', 'local directory', 1)}, not in the "
+            f"Hugging Face cache, and the hub could not be reached ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Pass a local "
             f"directory holding config.json and model.safetensors (e.g. one written by save_pretrained), or "
             f"run once with network access to fill the cache."
         ) from None

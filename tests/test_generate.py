@@ -374,6 +374,35 @@ def test_cli_directory_that_is_neither(tmp_path, capsys):
     assert err.startswith("error:") and "checkpoint" in err and "Traceback" not in err
 
 
+def test_cli_a_missing_directory_says_so_in_one_line(tmp_path, monkeypatch, capsys):
+    """A typo of a run directory (runs/ exists here) is a missing directory, not a model the hub could not give."""
+    (tmp_path / "runs" / "shakespeare-char-cpu").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for init_from, close in (("runs/shakespeare-char-cpy", " (did you mean runs/shakespeare-char-cpu?)"),
+                             (str(tmp_path / "elsewhere" / "run"), ""), ("./run", " (did you mean runs?)"), ("./zzz", "")):
+        assert main(["--init-from", init_from]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: --init-from {init_from!r}: no such directory: {init_from}{close}; give a training run "
+                       "directory, a Hugging Face GPT-2 directory or name (gpt2, ...), or random:PRESET\n"), err
+
+
+def test_cli_sampling_defaults_are_a_training_runs_own(capsys):
+    """generate samples as the run's own samples do (nanoGPT's sample.py: 0.8, 200), and says so on stderr."""
+    from jaxgpt.generate.cli import SAMPLE_TEMPERATURE, SAMPLE_TOP_K, build_parser
+    from jaxgpt.train.config import TrainConfig
+
+    args = build_parser().parse_args([])
+    assert (args.temperature, args.top_k) == (SAMPLE_TEMPERATURE, SAMPLE_TOP_K) == (
+        TrainConfig.sample_temperature, TrainConfig.sample_top_k) == (0.8, 200)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "default: 0.8, as a training run's own samples" in help_text and "(default: 200, as a" in help_text
+    assert main(["--init-from", "random:tiny", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "; temperature 0.8, top-k 200 (the defaults, a training run's own: --temperature, --top-k to change)]" in err
+    assert main(["--init-from", "random:tiny", "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    assert capsys.readouterr().err.endswith("; greedy]\n")
+
+
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "-3"], ["--temperature", "hot"],
                                   ["--precision", "fp16"], ["--top-k", "-1"], ["--num-samples", "0"]])
 def test_cli_argparse_errors(argv, capsys):

@@ -86,6 +86,93 @@ def test_missing_config_file_and_help(capsys):
     assert "--optim.lr=<float>" in out and "--model.n_layer=<int>" in out
 
 
+def test_init_from_a_missing_directory_and_advice_that_works(tmp_path, monkeypatch, capsys):
+    """A mistyped init_from is a missing directory (not "a GPT-2 model"); a GPT-2 model given to the default
+    (character) config names the fine-tuning config, and the command it names loads."""
+    from flax import nnx
+
+    from jaxgpt import weights
+    from jaxgpt.config import GPTConfig
+    from jaxgpt.model import GPT
+
+    (tmp_path / "runs" / "shakespeare-char-cpu").mkdir(parents=True)
+    weights.save_hf(GPT(GPTConfig.preset("tiny"), rngs=nnx.Rngs(0)), tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--init_from=runs/shakespeare-char-cpy"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: TrainConfig.init_from = 'runs/shakespeare-char-cpy': no such directory: "
+                          "runs/shakespeare-char-cpy (did you mean runs/shakespeare-char-cpu?); init_from takes "
+                          "scratch") and err.count("\n") == 1 and "GPT-2 model" not in err, err
+    for extra in ([], ["--tokenizer=gpt2"]):  # the default config's tokenizer, then its model shape
+        assert main(["--init_from=hf", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.rstrip().endswith(
+            "fine-tune with --config configs/finetune-gpt2.yaml --init_from=hf"), err
+    advice = err.rstrip().rsplit("fine-tune with ", 1)[1].split()
+    config_path, overrides, _ = parse_args(advice)
+    cfg = TrainConfig.load(REPO / config_path, overrides)  # (the repository's configs/)
+    assert cfg.init_from == "hf" and cfg.tokenizer == "gpt2" and cfg.model is None
+
+
+def test_max_steps_inside_the_schedule_warns_in_one_line_with_the_flags_that_fit_it(tmp_path, capsys):
+    default = TrainConfig.load(None)
+    assert (default.max_steps, default.optim.warmup_steps, default.optim.decay_steps) == (2000, 100, 2000)
+    assert default.schedule_warning() is None
+    for max_steps, says, fix in ((30, "inside the learning-rate warm-up (optim.warmup_steps 100",
+                                  {"optim.warmup_steps": 1, "optim.decay_steps": 30}),
+                                 (500, "before the cosine decay ends (optim.decay_steps 2000",
+                                  {"optim.decay_steps": 500}),
+                                 (100, "before the cosine decay ends", {"optim.warmup_steps": 5, "optim.decay_steps": 100})):
+        warning = TrainConfig.load(None, {"max_steps": max_steps}).schedule_warning()
+        flags = " ".join(f"--{k}={v}" for k, v in fix.items())
+        assert warning.startswith(f"warning: max_steps {max_steps} ends the run {says}") and warning.endswith(
+            f"to fit the schedule to the run set {flags}") and "\n" not in warning, warning
+        _, overrides, _ = parse_args([f"--max_steps={max_steps}", *flags.split()])
+        assert TrainConfig.load(None, overrides).schedule_warning() is None  # the advice fits it
+    constant = TrainConfig.load(REPO / "configs/finetune-gpt2.yaml", {"max_steps": 2, "optim.warmup_steps": 5})
+    assert constant.schedule_warning().endswith("set --optim.warmup_steps=0")  # no decay to fit
+    assert TrainConfig.load(REPO / "configs/finetune-gpt2.yaml").schedule_warning() is None
+    # the command prints it before the run (which here stops at once: out_dir is a file)
+    (tmp_path / "a_file").write_text("")
+    assert main(["--max_steps=30", f"--out_dir={tmp_path / 'a_file'}"]) == 2
+    assert capsys.readouterr().err.startswith("warning: max_steps 30 ends the run inside the learning-rate warm-up")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config", "configs/nope.yaml"], "error: config file 'configs/nope.yaml' does not exist"),
+    (["--batch_size=-3"], "error: TrainConfig.batch_size = -3: must be an integer >= 1"),
+    (["--optim.lrr=1"], "error: OptimConfig: unknown key(s) ['lrr']; valid keys are ["),
+    (["positional"], "error: unexpected argument 'positional'"),
+])
+def test_torch_ref_train_has_jaxgpt_trains_config_errors(capsys, args, expected):
+    from torch_ref import train as ref_train
+
+    assert main(args) == ref_train.main(args) == 2
+    jax_err, torch_err = capsys.readouterr().err.splitlines()
+    assert jax_err == torch_err and torch_err.startswith(expected), torch_err
+
+
+def test_torch_ref_train_help_and_its_output_folder(tmp_path, capsys):
+    from torch_ref import train as ref_train
+
+    assert ref_train.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    head, usage_line = out.split("\n\n")[:2]
+    assert head.startswith("python -m torch_ref.train: jaxgpt.train's run of a config, in plain PyTorch") and \
+        head.endswith("(beside jaxgpt's run, not over it).") and "``" not in head  # the whole description
+    assert usage_line == "usage: python -m torch_ref.train [--config FILE] [--print-config] [--FIELD=VALUE ...]"
+    for field in ("--optim.lr=<float>", "--model.n_layer=<int>", "--max_steps=<int>", "--out_dir=<str>"):
+        assert f"\n  {field}\n" in out
+    assert "--gelu=" not in out and "--mesh." not in out  # jaxgpt's alone: not read
+    out_dir = tmp_path / "torch-run"
+    assert ref_train.main(TINY + ["--max_steps=1", "--eval_steps=1", "--sample_len=2", f"--out_dir={out_dir}",
+                                  f"--data_dir={REPO / 'data_cache' / 'shakespeare'}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"writing metrics.jsonl, samples.txt and summary.json to {out_dir}\n" in printed
+    assert f"metrics.jsonl, samples.txt, summary.json in {out_dir}\n" in printed
+    assert {p.name for p in out_dir.iterdir()} == {"metrics.jsonl", "samples.txt", "summary.json"}
+
+
 def test_print_config(capsys):
     assert main(TINY + ["--print-config", "--optim.lr=2e-3"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
@@ -146,6 +233,7 @@ def test_run_writes_metrics_plot_samples_and_checkpoints(reference_run):
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert kept == [9, 12]  # keep_checkpoints: 2
     assert "done: step 12" in proc.stderr + proc.stdout
+    assert "init scratch" in proc.stdout and "resumed" not in proc.stdout
 
 
 def test_sigkill_then_resume_repeats_the_losses_bit_for_bit(tmp_path, reference_run, run_env):
@@ -163,6 +251,7 @@ def test_sigkill_then_resume_repeats_the_losses_bit_for_bit(tmp_path, reference_
     resumed = run(train_cmd(out, "--resume=must"), run_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step" in resumed.stdout
+    assert "resumed (run begun from scratch)" in resumed.stdout and "init scratch" not in resumed.stdout
     assert losses(out) == losses(ref_dir)  # train and val losses, every step, bit-identical
 
 

@@ -147,11 +147,17 @@ def test_sharded_safetensors(tmp_path, hf_state):
 
 
 # ---- errors ------------------------------------------------------------------------------------------
-def test_missing_path(tmp_path):
+def test_missing_path(tmp_path, monkeypatch):
     missing = tmp_path / "no" / "such" / "checkpoint"
     with pytest.raises(CheckpointError) as info:
         from_hf(missing)
-    assert str(missing) in message(info) and "no such file or directory" in message(info)
+    assert message(info) == f"checkpoint {str(missing)!r}: no such directory: {missing}"  # not asked of the hub
+    (tmp_path / "runs" / "shakespeare-char-cpu").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)  # runs/ is here: runs/NAME is a path, a typo of one is a missing directory
+    with pytest.raises(CheckpointError) as info:
+        from_hf("runs/shakespeare-char-cpy")
+    assert message(info) == ("checkpoint 'runs/shakespeare-char-cpy': no such directory: runs/shakespeare-char-cpy "
+                             "(did you mean runs/shakespeare-char-cpu?)")
 
 
 def test_directory_without_weights_lists_its_files(tmp_path):
@@ -312,7 +318,8 @@ def test_from_hf_cache_in_process(tmp_path, monkeypatch, hf_dir, hf_state):
     with pytest.raises(CheckpointError) as info:
         from_hf("someone/not-cached")
     msg = message(info)
-    assert "'someone/not-cached'" in msg and "not in the Hugging Face cache" in msg and "local directory" in msg
+    assert "'someone/not-cached'" in msg and "not in the Hugging Face cache" in msg
+    assert "no such local directory: someone/not-cached" in msg  # (no someone/ here: maybe a hub name, asked there)
 
 
 @pytest.mark.slow  # a fresh interpreter importing jax, flax and torch: ~10 s of CPU

@@ -218,11 +218,14 @@ def evaluate(model: torch.nn.Module, loader: Any, start: dict[str, Any], batches
     return sum(losses) / len(losses)
 
 
-def run(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """jaxgpt.train's run of ``config`` in torch: the same initial weights (jaxgpt's init of the config's seed),
-    the same batches (jaxgpt's DataLoader, same seed and mode), the same schedule and evaluations (the same first
-    ``eval_steps`` val batches at step 0, every ``eval_interval`` and the end). Writes ``metrics.jsonl``,
-    ``samples.txt`` and ``summary.json`` to ``out_dir`` (default: the config's + ``-torch``)."""
+def run(config: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
+    """jaxgpt.train's run of a config, in plain PyTorch on the CPU (float32): the same initial weights (jaxgpt's init
+    of the config's seed), the same batches (jaxgpt's DataLoader, same seed and mode), the same learning-rate
+    schedule and the same evaluations (the first ``eval_steps`` val batches at step 0, every ``eval_interval`` steps
+    and at the end), then ``sample_num`` samples; its ``metrics.jsonl``, ``samples.txt`` and ``summary.json`` go
+    to ``--out_dir`` if given, else the config's ``out_dir`` + ``-torch`` (beside jaxgpt's run, not over it).
+
+    ``config`` None is jaxgpt.train's default config."""
     import json
     import time
     from pathlib import Path
@@ -238,6 +241,8 @@ def run(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = Path(overrides.get("out_dir") or cfg.out_dir + "-torch")
     out.mkdir(parents=True, exist_ok=True)
+    print(f"torch_ref.train: {cfg.max_steps} steps of {config or 'the default config'}; writing metrics.jsonl, "
+          f"samples.txt and summary.json to {out}", flush=True)
     data_dir = data_lib.ensure_prepared(cfg.data_source, cfg.resolved_data_dir(), tokenizer=cfg.tokenizer)
     tok = tokenizer.from_record(data_lib.manifest_tokenizer(data_dir))
     micro = cfg.micro_steps()
@@ -283,26 +288,66 @@ def run(config: str, overrides: dict[str, Any]) -> dict[str, Any]:
                "torch_threads": torch.get_num_threads(), "config": str(config)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"done: best val loss {best['val_loss']:.4f} (step {best['step']}), {summary['wall_s']:.1f} s wall; "
-          f"{out}\n" + "\n".join(samples), flush=True)
+          f"metrics.jsonl, samples.txt, summary.json in {out}\n" + "\n".join(samples), flush=True)
     return summary
 
 
+# the TrainConfig fields run() reads (the rest, e.g. precision, kernels, mesh, checkpoints, are jaxgpt's alone)
+USED_FIELDS = ("model_preset", "model.", "init_from", "dropout", "data_source", "data_dir", "tokenizer", "loader_mode",
+               "batch_size", "seq_len", "total_batch_tokens", "max_steps", "eval_interval", "eval_steps",
+               "sample_prompt", "sample_num", "sample_len", "sample_temperature", "sample_top_k", "optim.", "out_dir",
+               "seed")
+
+
+def usage() -> str:
+    """``--help``: what the command does, and the jaxgpt.train fields it reads."""
+    from jaxgpt.train.cli import _field_help  # jaxgpt.train's own field list, so the two cannot drift apart
+    from jaxgpt.train.config import TrainConfig
+
+    fields = [line for line in _field_help(TrainConfig)
+              if line.strip().removeprefix("--").startswith(USED_FIELDS)]
+    return ("python -m torch_ref.train: " + " ".join(run.__doc__.split("\n\n")[0].replace("``", "").split()) + "\n\n"
+            "usage: python -m torch_ref.train [--config FILE] [--print-config] [--FIELD=VALUE ...]\n\n"
+            "The config and overrides are jaxgpt.train's (the same YAML files, the same checks and errors); "
+            "--config defaults to jaxgpt.train's default config. Fields it reads:\n" + "\n".join(fields) + "\n"
+            "Other jaxgpt.train fields (precision, kernels, mesh, checkpoints, resume, ...) are checked but not used.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m torch_ref.train --config FILE [--key=value ...]`` (jaxgpt.train's dotted overrides)."""
-    import argparse
+    """``python -m torch_ref.train [--config FILE] [--field=value ...]``: jaxgpt.train's arguments, its one-line
+    errors (exit 2) and its ``--help`` shape."""
+    import sys
 
     import yaml
 
-    p = argparse.ArgumentParser(prog="python -m torch_ref.train", description=run.__doc__.split("\n")[0])
-    p.add_argument("--config", required=True)
-    args, rest = p.parse_known_args(argv)
-    overrides = {}
-    for item in rest:
-        key, sep, value = item.removeprefix("--").partition("=")
-        if not item.startswith("--") or not sep:
-            p.error(f"{item!r}: overrides are --key=value")
-        overrides[key] = yaml.safe_load(value)
-    run(args.config, overrides)
+    from jaxgpt.config import ConfigError
+    from jaxgpt.train.cli import EXIT_CONFIG, parse_args
+    from jaxgpt.train.config import TrainConfig
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
+    try:
+        config_path, overrides, print_config = parse_args(argv)
+        cfg = TrainConfig.load(config_path, overrides)
+        cfg.micro_steps()  # divisibility, before anything starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    if cfg.schedule_warning():
+        print(cfg.schedule_warning(), file=sys.stderr)
+    from jaxgpt.data import DataError
+    from jaxgpt.weights import CheckpointError
+
+    try:
+        run(None if config_path is None else str(config_path), overrides)
+    except (ConfigError, DataError, CheckpointError) as e:  # e.g. no data, an init_from that cannot be loaded
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     return 0
 
 

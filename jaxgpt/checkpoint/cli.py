@@ -86,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "added (never the run directory, its checkpoints or anything already in it)")
     args = parser.parse_args(argv)
     run_dir = _run_dir(parser, args)
+    if not os.path.exists(run_dir):  # a typo of a run directory: said as such, with the nearest one
+        from jaxgpt.localpath import no_such_directory
+
+        print(f"error: run directory {run_dir}: {no_such_directory(run_dir)}", file=sys.stderr)
+        return 2
     try:
         if args.cmd == "list":
             return list_steps(run_dir)

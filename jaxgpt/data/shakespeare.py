@@ -45,6 +45,15 @@ def shakespeare_corpus(cache_dir: str | Path | None = None, *, verbose: bool = T
     )
 
 
+# every route shakespeare_corpus takes: a manifest naming one of them was built by jaxgpt from this source
+ROUTES = ("local:env", "local:shared", "local:cache", "download", "pip")
+
+
+def shakespeare_local_corpus(cache_dir: str | Path | None = None) -> Corpus | None:
+    """Tiny Shakespeare from a local copy (the first route, no network), or None when there is none here."""
+    return _shakespeare_local(Path(cache_dir) if cache_dir is not None else default_cache_dir(), [])
+
+
 def _tiny_shakespeare(path: Path, route: str, how: str) -> Corpus:
     return text_files_corpus([path], name="shakespeare", route=route, source=f"tiny Shakespeare, {how}: {path}")
 

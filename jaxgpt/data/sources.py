@@ -9,10 +9,14 @@ from pathlib import Path
 from jaxgpt.data.common import DataError
 from jaxgpt.data.corpus import Corpus, _safe_name, text_files_corpus
 from jaxgpt.data.hf import HF_PREFIX, hf_corpus
-from jaxgpt.data.shakespeare import shakespeare_corpus
+from jaxgpt.data.shakespeare import ROUTES as SHAKESPEARE_ROUTES, shakespeare_corpus, shakespeare_local_corpus
 
 
 NAMED_SOURCES: dict[str, Callable[..., Corpus]] = {"shakespeare": shakespeare_corpus}
+# a named source's local copy (no network) and the routes its corpora record: how prepare tells that shards built from
+# it came from another text than the one found now (e.g. the Open Shakespeare fallback, then $JAXGPT_SHAKESPEARE)
+LOCAL_SOURCES: dict[str, tuple[Callable[..., Corpus | None], tuple[str, ...]]] = {
+    "shakespeare": (shakespeare_local_corpus, SHAKESPEARE_ROUTES)}
 
 
 def resolve_source(

@@ -23,6 +23,7 @@ from jaxgpt.eval.common import EvalError, load_model
 from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
 from jaxgpt.fp8 import GEMM_SETS
 from jaxgpt.generate import int_at_least
+from jaxgpt.localpath import missing_directory
 from jaxgpt.precision import PRECISIONS
 
 
@@ -71,6 +72,10 @@ def check_output(path: str, flag: str) -> Path:
 
 def prepare(args: argparse.Namespace) -> dict:
     """What the run needs before the model: the outputs checked, and the data (items, or the shards' split)."""
+    missing = None if args.init_from.startswith("random:") else missing_directory(args.init_from)
+    if missing:  # a path (runs/typo), not a hub name: said before the data is read or the hub is asked
+        raise EvalError(f"--init-from {args.init_from}: {missing}; give a training run directory, a Hugging Face "
+                        "GPT-2 directory or name (gpt2, ...), or random:PRESET")
     outputs = {flag: check_output(path, flag) for flag, path in (("--out", args.out), ("--json", args.json)) if path}
     if len(outputs) == 2 and outputs["--out"].resolve() == outputs["--json"].resolve():
         raise EvalError(f"--out and --json are the same file ({args.out}): give two")

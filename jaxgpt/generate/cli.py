@@ -18,7 +18,12 @@ from jaxgpt.generate.errors import GenerateError
 from jaxgpt.generate.load import load_model, load_tokenizer
 from jaxgpt.precision import PRECISIONS, Policy
 
-__all__ = ["build_parser", "int_at_least", "main"]
+__all__ = ["SAMPLE_TEMPERATURE", "SAMPLE_TOP_K", "build_parser", "int_at_least", "main"]
+
+# The sampling defaults: a training run's own (TrainConfig.sample_temperature / sample_top_k), which are nanoGPT's
+# sample.py's, so `generate --init-from RUN` samples as the run's samples.txt did (tests/test_generate.py checks
+# that they agree)
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200
 
 
 def int_at_least(minimum: int):
@@ -83,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after each sample's text, print its token ids (prompt + new tokens) as one JSON line: "
                         '{"sample": i, "ids": [...]}')
     p.add_argument("--max-new-tokens", type=int_at_least(0), default=100)
-    p.add_argument("--temperature", type=_temperature, default=1.0, help="0 = greedy (default: 1.0)")
-    p.add_argument("--top-k", type=int_at_least(0), default=50, help="0 = no top-k filtering (default: 50)")
+    p.add_argument("--temperature", type=_temperature, default=SAMPLE_TEMPERATURE,
+                   help=f"0 = greedy (default: {SAMPLE_TEMPERATURE}, as a training run's own samples and nanoGPT's "
+                        "sample.py; Hugging Face's pipeline samples at 1.0)")
+    p.add_argument("--top-k", type=int_at_least(0), default=SAMPLE_TOP_K,
+                   help=f"0 = no top-k filtering (default: {SAMPLE_TOP_K}, as a training run's own samples and "
+                        "nanoGPT's sample.py; Hugging Face's pipeline keeps 50)")
     p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--num-samples", type=int_at_least(1), default=1)
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
@@ -130,7 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_ids:
             print(json.dumps({"sample": i, "ids": ids}))
     n = args.max_new_tokens * args.num_samples
-    print(f"[{n} tokens in {dt:.2f} s including compilation: {n / max(dt, 1e-9):.1f} tokens/s]",
-          file=sys.stderr)
+    sampling = "greedy" if args.temperature == 0 else (f"temperature {args.temperature:g}, "
+                                                         + (f"top-k {args.top_k}" if args.top_k else "no top-k"))
+    print(f"[{n} tokens in {dt:.2f} s including compilation: {n / max(dt, 1e-9):.1f} tokens/s; {sampling}"
+          + ("" if (args.temperature, args.top_k) != (SAMPLE_TEMPERATURE, SAMPLE_TOP_K) else
+             " (the defaults, a training run's own: --temperature, --top-k to change)") + "]", file=sys.stderr)
     return 0
 

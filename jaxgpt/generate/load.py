@@ -9,6 +9,7 @@ from flax import nnx
 
 from jaxgpt.config import PRESETS, GPTConfig
 from jaxgpt.generate.errors import GenerateError
+from jaxgpt.localpath import missing_directory
 from jaxgpt.model import GPT
 from jaxgpt.precision import Policy
 
@@ -65,6 +66,10 @@ def load_model(init_from: str, *, policy: Policy, seed: int = 0, step: int | Non
     GPT-2 directory if it holds config.json or weights, else a jaxgpt training run directory, whose
     checkpoint ``step`` is loaded, default the latest), or a Hugging Face model name ("gpt2", ...)."""
     path = Path(init_from)
+    missing = None if init_from.startswith("random:") else missing_directory(init_from)
+    if missing:  # a path (runs/typo), not a hub name: said before the hub is asked
+        raise GenerateError(f"--init-from {init_from!r}: {missing}; give a training run directory, a Hugging Face "
+                            "GPT-2 directory or name (gpt2, ...), or random:PRESET")
     is_run_dir = path.is_dir() and not _is_hf_dir(path)
     if step is not None and not is_run_dir:
         raise GenerateError(f"--step {step}: only a training run directory has steps; "

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    if cfg.schedule_warning():
+        print(cfg.schedule_warning(), file=sys.stderr)
     if from_cli:
         _maybe_reexec_with_malloc_tuning(argv)
     from jaxgpt import distributed

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from jaxgpt.config import PRESETS, ConfigError, GPTConfig, from_dict, load_yaml, to_dict
 from jaxgpt.distributed import DistributedConfig
+from jaxgpt.localpath import missing_directory
 from jaxgpt.mesh import MeshConfig
 from jaxgpt.optim import OptimConfig
 from jaxgpt.train.wandb_log import WandbConfig
@@ -120,8 +121,14 @@ class TrainConfig:
             check(field, getattr(self, field) == 0 or getattr(self, field) > 1, "must be 0 (off) or a factor > 1")
         check("spike_window", self.spike_window >= 1, "must be an integer >= 1")
         check("tokenizer", self.tokenizer in ("gpt2", "char"), "allowed values are ['gpt2', 'char']")
+        missing = None if self.init_from == "scratch" else missing_directory(self.init_from)
+        check("init_from", missing is None, f"{missing}; init_from takes scratch, a Hugging Face GPT-2 name (gpt2, "
+              "gpt2-medium, ...) or a Hugging Face directory (`python -m jaxgpt.checkpoint export --to-hf` writes "
+              "one); a training run continues from its checkpoints when run again with the same out_dir")
+        finetune = f"fine-tune with --config configs/finetune-gpt2.yaml --init_from={self.init_from}"
         check("tokenizer", self.tokenizer == "gpt2" or self.init_from == "scratch",
-              f"init_from: {self.init_from} is a GPT-2 model, whose ids are GPT-2 BPE tokens; use tokenizer: gpt2")
+              f"init_from: {self.init_from} is a GPT-2 model, whose ids are GPT-2 BPE tokens, not characters; "
+              f"{finetune}")
         check("fsdp_reduce", self.fsdp_reduce in ("micro_step", "step"), "allowed values are ['micro_step', 'step']")
         check("logits_dtype", self.precision != "bf16-autocast" or self.logits_dtype != "float32",
               "precision: bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16 logits; drop "
@@ -151,7 +158,7 @@ class TrainConfig:
         else:
             check("model", self.model is None and self.model_preset is None,
                   f"init_from: {self.init_from} takes the model shape from the checkpoint; leave model and "
-                  "model_preset unset (use `dropout` to change the dropout rate)")
+                  f"model_preset unset (use `dropout` to change the dropout rate), e.g. {finetune}")
 
     # ---- construction -----------------------------------------------------------------------------------
     @classmethod
@@ -198,6 +205,24 @@ class TrainConfig:
                 f"batch_size * seq_len * processes = {self.batch_size} * {self.seq_len} * {process_count} = "
                 f"{per_micro:,} (e.g. {lo:,} or {lo + per_micro:,})")
         return self.total_batch_tokens // per_micro
+
+    def schedule_warning(self) -> str | None:
+        """One line when ``max_steps`` ends the run inside the learning-rate schedule's warm-up, or (cosine) before
+        its decay ends, naming the ``optim`` flags that fit the schedule to the run; None when it fits."""
+        o, steps = self.optim, self.max_steps
+        cosine = o.schedule == "cosine"
+        in_warmup, in_decay = steps < o.warmup_steps, cosine and steps < o.decay_steps
+        if not (in_warmup or in_decay):
+            return None
+        # the schedule scaled to the run (cosine: warm-up keeps its share of the decay; it must end before it)
+        warmup = min(steps - 1, o.warmup_steps * steps // o.decay_steps) if cosine else steps // 10
+        fix = " ".join(([f"--optim.warmup_steps={warmup}"] if in_warmup or steps <= o.warmup_steps else [])
+                       + ([f"--optim.decay_steps={steps}"] if cosine else []))
+        where = (f"inside the learning-rate warm-up (optim.warmup_steps {o.warmup_steps}: the rate never reaches "
+                 "optim.lr)" if in_warmup else
+                 f"before the cosine decay ends (optim.decay_steps {o.decay_steps}: the rate never decays to "
+                 "optim.min_lr_ratio x optim.lr)")
+        return f"warning: max_steps {steps} ends the run {where}; to fit the schedule to the run set {fix}"
 
     def resolved_data_dir(self) -> Path:
         if self.data_dir is not None:

@@ -180,12 +180,13 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
         cfg = self.cfg
         self.data_dir = cfg.resolved_data_dir()
-        if not data_lib.is_prepared(self.data_dir):  # (shards without a manifest count: used as they are)
-            if cfg.data_source.startswith(data_lib.HF_PREFIX):  # large: prepared on purpose, with its options
-                raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
-                                  f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config "
-                                  "file)")
-            # another run preparing the same directory holds its lock: wait for it, then use what it made
+        hf = cfg.data_source.startswith(data_lib.HF_PREFIX)
+        if hf and not data_lib.is_prepared(self.data_dir):  # large: prepared on purpose, with its options
+            raise ConfigError(f"{self.data_dir} holds no prepared shards; prepare {cfg.data_source!r} first with "
+                              f"`python -m jaxgpt.data --hf-dataset ... --out {self.data_dir}` (see the config file)")
+        if not hf:  # prepared shards are used as they are (those without a manifest too), unless jaxgpt built them
+            # from a text since replaced (jaxgpt.data.prepare._source_changed); another run preparing the same
+            # directory holds its lock: wait for it, then use what it made
             data_lib.ensure_prepared(cfg.data_source, self.data_dir, option="data_dir", tokenizer=cfg.tokenizer)
         self.train_loader = data_lib.DataLoader(
             self.data_dir, "train", cfg.batch_size * self.micro_steps, cfg.seq_len, mode=cfg.loader_mode,
@@ -308,7 +309,10 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
             self.policy.compute_dtype, e4m3_fraction=e4m3_fraction(m, seq_len=cfg.seq_len, fp8_gemms=self.policy.fp8))
         self.n_dev = jax.device_count()
         self.say(f"jaxgpt.train: {n_params / 1e6:.2f}M params ({m.n_layer}L {m.n_head}H {m.n_embd}C, vocab rows "
-                 f"{m.vocab_rows}), init {cfg.init_from}, {self.policy.compute_dtype} compute"
+                 f"{m.vocab_rows}), "
+                 + (f"resumed (run begun from {cfg.init_from})" if self.resumed_from is not None
+                    else f"init {cfg.init_from}")
+                 + f", {self.policy.compute_dtype} compute"
                  + (f" with e4m3 forward GEMMs (fp8_gemms {self.policy.fp8})" if self.policy.fp8 != "none" else "")
                  + f", {self.n_dev} x "
                  f"{jax.devices()[0].device_kind}, {self.pcount} process(es)")
