@@ -70,3 +70,28 @@ def test_a_jax_command_after_make_gpu_compile_prints_one_line(code):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "cpu\n", proc.stderr
     assert proc.stderr == gpu_env.NO_GPU_LINE.format(why="no NVIDIA driver on this machine") + "\n"
+
+
+@pytest.mark.parametrize("driver", [False, True])
+def test_malloc_tuning_kept_when_the_cuda_plugin_has_no_gpu(monkeypatch, driver):
+    """jaxgpt.train re-executes itself with glibc's malloc tuned for the CPU's host-bound steps; JAX's CUDA plugin
+    installed on a machine with no NVIDIA driver (`make gpu-compile` on a CPU box) still trains on the CPU and keeps
+    it; only a GPU that can run skips it."""
+    import importlib.util
+
+    from jaxgpt.train import cli
+
+    calls = []
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("JAXGPT_NO_MALLOC_TUNING", raising=False)
+    monkeypatch.setattr(cli.sys, "platform", "linux")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "jax_cuda12_plugin" else
+                        (None if name in ("jax_cuda13_plugin", "libtpu") else real(name, *a)))
+    monkeypatch.setattr(cli.gpu_env, "cuda_driver_present", lambda: driver)
+    monkeypatch.setattr(cli.os, "execve", lambda *a: calls.append(a))
+    cli._maybe_reexec_with_malloc_tuning(["--max_steps=1"])
+    assert bool(calls) is (not driver)
+    if calls:
+        assert calls[0][2]["GLIBC_TUNABLES"] == cli.MALLOC_TUNABLES

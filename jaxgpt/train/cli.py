@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from jaxgpt.config import ConfigError, _type_name
+from jaxgpt import gpu_env
 from jaxgpt.distributed import EXIT_DISTRIBUTED
 from jaxgpt.train.config import TrainConfig
 
@@ -84,8 +85,11 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
 def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
     if os.environ.get("GLIBC_TUNABLES") or os.environ.get("JAXGPT_NO_MALLOC_TUNING") or sys.platform != "linux":
         return
-    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")):
-        return  # an accelerator install: the host allocator is not the bottleneck
+    if importlib.util.find_spec("libtpu") or (
+            any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+            and gpu_env.cuda_driver_present()):
+        return  # an accelerator that can run: the host allocator is not the bottleneck (the CUDA plugin alone,
+        # e.g. after `make gpu-compile` on a CPU machine, still trains on the CPU and keeps the tuning)
     env = {**os.environ, "GLIBC_TUNABLES": MALLOC_TUNABLES}
     os.execve(sys.executable, [sys.executable, "-m", "jaxgpt.train", *argv], env)
 
