@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tests.test_compile import ROOT, needs_plugin
 
-ENTRY = re.compile(r"^\.(?:visible\s+)?entry\s+([\w$]+)", re.M)
+ENTRY = re.compile(r"^(?:\.visible\s+)?\.entry\s+([\w$]+)", re.M)
 
 
 def _dump(tmp: Path) -> Path:
