@@ -259,6 +259,7 @@ def render() -> dict[Path, str]:
         raise SystemExit("no results under benchmarks/results/: run python -m benchmarks.run_all first")
     m, v, env = any_res["machine"], any_res["versions"], any_res["env"]
     tr = targets(train, gen)
+    dates = sorted(r["started"][:10] for r in [*train.values(), gen] if r and r.get("started")) or ["?"]
     cpu_targets = (["| target | measured | |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in tr] + [""]
                    if tr else [])
     flags = ", ".join(f"{k} {'yes' if on else 'no'}" for k, on in m.get("flags", {}).items())
@@ -276,7 +277,8 @@ def render() -> dict[Path, str]:
         "## Measured on the CPU",
         "",
         f"{m.get('model_name')} (family {m.get('family')} model {m.get('model')}), {m.get('cores')} cores; jax "
-        f"{v.get('jax')}, torch {v.get('torch')}; machine, software and method under \"CPU tables\" below. "
+        f"{v.get('jax')}, torch {v.get('torch')}; measured {' to '.join(sorted({dates[0], dates[-1]}))} (each table "
+        "gives its date, load and command; machine, software and method under \"CPU tables\" below). "
         "`python -m benchmarks.run_all` (~1 h on this machine; waits for load < 1.5 first) measures them all, or one "
         "piece at a time: `python -m benchmarks.train_step --config {small,gpt2,gpt2-t256} --variants all "
         "--rounds 3 --steps 10 [--allocator default]`, `python -m benchmarks.generate`, "

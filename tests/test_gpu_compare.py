@@ -220,6 +220,21 @@ def test_the_kernels_part_checks_every_kernel_test_file_and_reads_junit(tmp_path
                                        "failures": ["tests.test_gemm::b: AssertionError: 3 ulps"]}
 
 
+def test_the_kernels_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
+    """`kernels --dry` (13 s on the 2-core AMD EPYC): one kernel test through the plugin (interpreted here, its
+    tiles recorded), the device tests skipped without a GPU; the summary and one tar in $OUT."""
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setattr(common, "TMP", tmp_path / "scratch")
+    assert gpu_session.main(["kernels", "--dry"]) == 0
+    s = json.loads((out / "session-kernels.json").read_text())
+    assert s["kernel_tests"]["passed"] == 1 and s["device_tests"]["skipped"] == len(s["device_tests"]["failures"]) + 9
+    assert s["tiles"]["compiled_on_gpu"] is False and [k["name"] for k in s["tiles"]["kernels"]] == [
+        "gemm_ntsum_split_input_grad"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{s['run']}-kernels.tar", "session-kernels.json"]
+
+
 @pytest.mark.slow  # ~5 min on 2 cores: 3 bench workers, 3 profiles, 2 tiny recipes; the tests above cover its parts
 def test_the_compare_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
     out = tmp_path / "out"
