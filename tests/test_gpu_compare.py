@@ -134,6 +134,16 @@ def test_the_compare_part_records_each_step_scores_and_packs_its_run(tmp_path, m
     assert (dest / "train_step-gpu-h200.json").is_file()
     with pytest.raises(SystemExit, match="already under"):  # never over a run already there
         runs.unpack(out / f"{run}.tar", tmp_path / "results")
+    # the report renders such a run (a dry one is left out of it: made a GPU's here)
+    from benchmarks.gpu import report
+
+    meta = json.loads((dest / "run.json").read_text())
+    (dest / "run.json").write_text(json.dumps({**meta, "dry": False, "device": {"name": "NVIDIA H200"}}))
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    text = "\n".join(report.gpu_headlines())
+    assert f"### NVIDIA H200, {meta['date']}: `benchmarks/results/{run}/`" in text
+    assert "| fast set (jax_bf16_fast) | 64 | 128.0 | 1.25x | <= 131.0 ms: met |" in text
+    assert "fails: failed (error: no such file)" in text and "too big: not measured: budget" in text
 
 
 def test_a_worker_row_survives_an_error_in_its_prediction(monkeypatch):

@@ -74,9 +74,10 @@ def device_line(run: dict[str, Any]) -> list[str]:
     g, v = run["device"], run["versions"]
     plugin = next((f"{k} {v[k]}" for k in results.PLUGINS if k in v and k.startswith("jax-cuda")), None)
     cmds = "; ".join(f"`{c['command']}`" for c in run["commands"])
-    return [f"### {g.get('name')} (driver {g.get('driver')}, {g.get('memory')}), {run['date']}: "
-            f"`benchmarks/results/{run['dir'].name}/`", "",
-            f"Measured on one {g.get('name')} (driver {g.get('driver')}, {g.get('memory')}), {run['date']}, git "
+    facts = ", ".join(x for x in (g.get("driver") and f"driver {g['driver']}", g.get("memory")) if x)
+    name = g.get("name") + (f" ({facts})" if facts else "")
+    return [f"### {name}, {run['date']}: `benchmarks/results/{run['dir'].name}/`", "",
+            f"Measured on one {name}, {run['date']}, git "
             f"{run['git']}, with that machine's software: python {v.get('python')}, jax / jaxlib {v.get('jax')} / "
             f"{v.get('jaxlib')}" + (f" ({plugin})" if plugin else "") + f", flax {v.get('flax')}, optax "
             f"{v.get('optax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, numpy {v.get('numpy')} "
@@ -169,6 +170,9 @@ def run_details(run: dict[str, Any]) -> list[str]:
                 f"OUT`; `{p.name}` also holds every HLO instruction's time, scope and kernels."
                 + (f" The raw trace is not in the repository; one step of it is `{one.relative_to(common.ROOT)}` "
                    "(`--trim-to-one-step`), which the tests read." if one.exists() else ""), ""]
+    for p in sorted(d.glob("torch-profile-gpu-*.json")):
+        res = json.loads(p.read_text())
+        out += [f"### Where torch.compile's step goes (`{p.stem}`)", "", res["markdown"].rstrip(), ""]
     if (s := _read(d / "session-compare.json")) is not None:
         out += [f"### The compare session's steps ({d.name})", "", "| step | status | seconds | budget s |",
                 "|---|---|---:|---:|"]
