@@ -239,7 +239,7 @@ def test_the_kernels_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "TMP", tmp_path / "scratch")
     assert gpu_session.main(["kernels", "--dry"]) == 0
     s = json.loads((out / "session-kernels.json").read_text())
-    assert s["kernel_tests"]["passed"] == 1 and s["device_tests"]["skipped"] == len(s["device_tests"]["failures"]) + 9
+    assert s["kernel_tests"]["passed"] == 1 and s["device_tests"]["skipped"] == 9  # no GPU here
     assert s["tiles"]["compiled_on_gpu"] is False and [k["name"] for k in s["tiles"]["kernels"]] == [
         "gemm_ntsum_split_input_grad"]
     assert sorted(p.name for p in out.iterdir()) == [f"{s['run']}-kernels.tar", "session-kernels.json"]
