@@ -75,7 +75,7 @@ def device_line(run: dict[str, Any]) -> list[str]:
     plugin = next((f"{k} {v[k]}" for k in results.PLUGINS if k in v and k.startswith("jax-cuda")), None)
     cmds = "; ".join(f"`{c['command']}`" for c in run["commands"])
     facts = ", ".join(x for x in (g.get("driver") and f"driver {g['driver']}", g.get("memory")) if x)
-    name = g.get("name") + (f" ({facts})" if facts else "")
+    name = (g.get("name") or "GPU (unnamed: nvidia-smi gave no name)") + (f" ({facts})" if facts else "")
     return [f"### {name}, {run['date']}: `benchmarks/results/{run['dir'].name}/`", "",
             f"Measured on one {name}, {run['date']}, git "
             f"{run['git']}, with that machine's software: python {v.get('python')}, jax / jaxlib {v.get('jax')} / "
