@@ -1,7 +1,11 @@
-"""Write ``BENCHMARKS.md`` from the latest results under ``benchmarks/results/`` (``python -m benchmarks.report``).
+"""Write ``BENCHMARKS.md`` and ``docs/benchmark-history.md`` from the results under ``benchmarks/results/``
+(``python -m benchmarks.report``; ``tests/test_report.py`` checks the committed files are its output).
 
-It reads ``train_step-{small,gpt2,gpt2-t256}-tuned.json``, ``train_step-small-default.json``, ``generate.json``
-and ``data_loader.json`` (whichever exist), and checks the speed targets against them.
+BENCHMARKS.md puts what was measured first: each GPU run's headline (``benchmarks/results/<device>-<date>/``,
+:mod:`benchmarks.gpu.report`) and the CPU's targets, then the GPU runs' tables and the CPU tables
+(``train_step-{small,gpt2,gpt2-t256}-tuned.json``, ``train_step-small-default.json``, ``generate.json``,
+``data_loader.json`` and the other CPU benchmarks' files, whichever exist), then the predictions in one labelled
+table. The change-by-change history of predictions and analyses goes to docs/benchmark-history.md.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common, data_loader, gemm_ceiling, generate, train_step
+from benchmarks.gpu.report import (e2e_result, gpu_compiled_section, gpu_details, gpu_headlines, gpu_section,  # noqa: F401
+                                   history, prediction_vs_measured, predictions_section)
 
 TRAIN_FILES = [("small", "tuned"), ("gpt2", "tuned"), ("gpt2-t256", "tuned"), ("small", "default")]
 
@@ -220,150 +226,20 @@ def ceiling_section(ceil: dict | None, train: dict) -> list[str]:
     return out + [note, "", f"Command: `{ceil['command']}`", ""]
 
 
-def gpu_section() -> list[str]:
-    """The GPU tables written by the harness on a GPU (``train_step-gpu-<device>*.json``, the A/B, the profile,
-    the end-to-end training run), or what to run where there are none yet."""
-    from benchmarks.gpu import bench
-
-    tables = sorted(p for p in common.RESULTS.glob("train_step-gpu-*.json") if "dry" not in p.name)
-    out = ["## GPU: gpt2 124M against torch.compile", ""]
-    if not tables:
-        return out + [
-            "**Not yet measured**: no GPU has been lent to this project's sessions since the GPU harness was built "
-            "(issue 15). On a GPU, `python -m benchmarks.gpu.bench` writes "
-            "`train_step-gpu-<device>.json` (jaxgpt's bf16 default against torch_ref under torch.compile + bf16 "
-            "autocast + flash SDPA + fused AdamW, and eager, at micro-batch 16, 32, 64, 128 until one does not "
-            "fit, with tokens/s, MFU against the device's dense bf16 peak, peak memory and the cold first step), "
-            "and `python -m benchmarks.gpu.session {table,ab,profile,parity}` runs the whole plan (the A/B of the "
-            "XLA flags and kernel choices, the traced step summarised by `benchmarks.gpu.profile`, the end-to-end "
-            "`python -m jaxgpt.train` check, the CUDA parity tests) in parts of under 10 minutes. "
-            "`python -m benchmarks.gpu.bench --dry` rehearses the same code on the CPU (the GPU tools: "
-            "`benchmarks/gpu/`).", ""]
-    for p in tables:
-        res = json.loads(p.read_text())
-        dev = p.stem.removeprefix("train_step-gpu-")
-        out += gpu_summary(res, e2e_result(dev)) + [f"### `{p.stem}`", "", bench.markdown(res), "",
-                                                     f"Command: `{res['command']}`", ""]
-    for name, title in (("gpu-ab", "jaxgpt A/B, one knob at a time"),):
-        md = common.RESULTS / f"{name}.md"
-        if md.exists():
-            out += [f"### {title}", "", md.read_text().rstrip(), ""]
-    for md in sorted(common.RESULTS.glob("profile-gpu-*.md")):
-        if "dry" not in md.name:
-            one = common.ROOT / "tests" / "data" / f"{md.stem}-one-step.trace.json.gz"
-            out += [f"### Where the step's time goes (`{md.stem}`)", "", md.read_text().rstrip(), "",
-                    f"Summarised from the run's trace and its optimized HLO (`benchmarks/results/{md.stem}.hlo.txt.gz`)"
-                    f" by `python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO --meta RUN.json --json OUT`; "
-                    f"`{md.stem}.json` also holds every HLO instruction's time, scope and kernels."
-                    + (f" The raw trace is not in the repository; one step of it is `{one.relative_to(common.ROOT)}` "
-                       "(`--trim-to-one-step`), which the tests read." if one.exists() else ""), ""]
-    for md in sorted(common.RESULTS.glob("analysis-gpu-*.md")):  # written by hand from a profile (issue 32)
-        out += [md.read_text().rstrip(), ""]
-    if cal := _load("calibration-h100"):  # python -m benchmarks.gpu.calibrate --check
-        from benchmarks.gpu import calibrate
-
-        out += calibrate.markdown(cal)
-    return out
+def demote(lines: list[str]) -> list[str]:
+    """A section's headings one level down (its ``## X`` under this file's ``## CPU tables``)."""
+    return [("#" + ln) if ln.startswith("## ") else ln for ln in lines]
 
 
-def e2e_result(dev: str) -> dict[str, Any] | None:
-    """The end-to-end training run on a GPU (``e2e-gpu-<device>.json`` and the metrics.jsonl it names), if any."""
-    meta = common.RESULTS / f"e2e-gpu-{dev}.json"
-    if not meta.exists():
-        return None
-    res = json.loads(meta.read_text())
-    recs = [json.loads(ln) for ln in (common.RESULTS / res["metrics_file"]).read_text().splitlines() if ln.strip()]
-    res["train"] = [r for r in recs if r.get("type") == "train"]
-    log = common.RESULTS / res.get("log_file", "-")
-    done = [ln for ln in log.read_text().splitlines() if ln.startswith("done:")] if log.exists() else []
-    res["summary_line"] = done[-1] if done else None
-    return res
+def paths() -> tuple[Path, Path]:
+    """Where BENCHMARKS.md and the history go: the repository, or beside redirected results (dry runs, tests)."""
+    if common.RESULTS == common.ROOT / "benchmarks" / "results":
+        return common.ROOT / "BENCHMARKS.md", common.ROOT / "docs" / "benchmark-history.md"
+    return common.RESULTS / "BENCHMARKS.md", common.RESULTS / "benchmark-history.md"
 
 
-def _e2e_steps(e2e: dict[str, Any]) -> tuple[str, list[str]]:
-    """The training run's steady steps: median and range of the steps within 5% of the median (after the first),
-    and the steps outside it."""
-    steps = e2e["train"][1:]
-    times = sorted(r["step_time"] for r in steps)
-    med = times[len(times) // 2]
-    typical = [r for r in steps if abs(r["step_time"] / med - 1) <= 0.05]
-    lo, hi = min(r["step_time"] for r in typical), max(r["step_time"] for r in typical)
-    tps = sorted(r["tokens_per_s"] for r in typical)
-    mfu = sorted(r["mfu"] for r in typical if r.get("mfu"))
-    first = e2e["train"][0]["step_time"]
-    text = (f"{1e3 * lo:,.0f}-{1e3 * hi:,.0f} ms per step ({tps[0] / 1e3:,.0f}-{tps[-1] / 1e3:,.0f}k tok/s"
-            + (f", {100 * mfu[len(mfu) // 2]:.1f}% MFU" if mfu else "") + f"), first step {first:.1f} s")
-    return text, [f"step {r['step']} {1e3 * r['step_time']:,.0f} ms" for r in steps if r not in typical]
-
-
-def gpu_summary(res: dict[str, Any], e2e: dict[str, Any] | None) -> list[str]:
-    """The headline of a GPU run: device, software, jaxgpt against torch.compile per micro-batch, the training
-    run, the targets' verdicts."""
-    g, v = res["gpu"], res["versions"]
-    rows = {(r["batch"], r["variant"]): r for r in res["rows"] if "error" not in r and r["shape"] == "gpt2"}
-    out = [f"Measured on one {g.get('name')} (driver {g.get('driver')}, {g.get('memory')}), {res['started'][:10]}, "
-           f"git {res['git']}, with that machine's software: python {v.get('python')}, jax / jaxlib {v.get('jax')} / "
-           f"{v.get('jaxlib')}, flax {v.get('flax')}, optax {v.get('optax')}, torch {v.get('torch')}, transformers "
-           f"{v.get('transformers')}, numpy {v.get('numpy')} (not README's pinned versions).", "",
-           "| gpt2 124M, T=1024 | jaxgpt (default policy) | torch_ref: torch.compile + bf16 autocast + flash SDPA + "
-           "fused AdamW | jaxgpt / torch.compile |", "|---|---|---|---:|"]
-    fmt = (lambda r: f"{r['step_ms']['median']:,.1f} ms, {r['tokens_per_s']:,.0f} tok/s, {100 * r['mfu']:.1f}% MFU, "
-           f"{r['peak_device_gib']:.1f} GiB")
-    for b in sorted({b for b, _ in rows}, reverse=True):
-        j, t = rows.get((b, "jax_bf16")), rows.get((b, "torch_compile_bf16"))
-        if j and t:
-            out.append(f"| micro-batch {b}, one step | {fmt(j)} | {fmt(t)} | "
-                       f"{t['step_ms']['median'] / j['step_ms']['median']:.2f}x |")
-    notes = []
-    if e2e and e2e["train"]:
-        text, outliers = _e2e_steps(e2e)
-        tokens = e2e["train"][0]["tokens"]
-        out.append(f"| `configs/gpt2-124m.yaml`, `python -m jaxgpt.train` ({tokens:,} tokens per step) | {text} | | |")
-        notes.append(f"The training run: `{e2e['command']}` on {e2e['data']} ({e2e['date']}, git {e2e['git']})"
-                     + (f"; outside the range: {', '.join(outliers)}" if outliers else "") + "."
-                     + (f" Its summary line said \"{e2e['summary_line'].split(', ')[-2]}\"." if e2e.get("summary_line")
-                        else "") + (f" {e2e['note']}" if e2e.get("note") else ""))
-    verdicts = [f"{t['target']}: " + ("not run" if t["measured"] is None else "met" if t["met"] else "NOT met")
-                for t in res.get("targets", [])]
-    notes.append("Targets (the table below): " + "; ".join(verdicts) + ".")
-    return out + [""] + [n + "\n" for n in notes]
-
-
-def gpu_compiled_section() -> list[str]:
-    """What ``python -m benchmarks.gpu.compiled`` wrote: the step compiled for GPUs without one (not run)."""
-    md = common.RESULTS / "gpu-compiled.md"
-    if not md.exists():
-        return []
-    return ["## GPU, compiled (not run)", "", md.read_text().rstrip(), "", *prediction_vs_measured(),
-            "Command: `python -m benchmarks.gpu.compiled record --label ...` per change, then `python -m "
-            "benchmarks.gpu.compiled markdown`; the memory table from `python -m jaxgpt.compile --config "
-            "configs/gpt2-124m.yaml --target {h100,h200,a100} --json benchmarks/results/compile-gpt2-124m-TARGET.json`.",
-            ""]
-
-
-def prediction_vs_measured() -> list[str]:
-    """The compiled H100 prediction of configs/gpt2-124m.yaml beside the step a GPU measured, where both exist."""
-    pred, e2e = _load("compile-gpt2-124m-h100"), e2e_result("h100")
-    if not (pred and e2e and e2e["train"][1:]):
-        return []
-    times = sorted(r["step_time"] for r in e2e["train"][1:])
-    med = times[len(times) // 2]
-    p = pred["prediction"]
-    bound = p.get("bound_s")
-    what = (f"predicted {1e3 * p['time_s']:,.0f} ms (calibrated) and {1e3 * bound:,.0f} ms (roofline bound)" if bound
-            else f"predicted {1e3 * p['time_s']:,.0f} ms (the roofline lower bound, MFU "
-                 f"{100 * pred['predicted_mfu']:.1f}%)")
-    return [f"Measured since, on one {e2e['device']} ({e2e['date']}, section \"GPU\" above): "
-            f"`{pred['config']}` (b{pred['micro_batch']} x {pred['micro_steps']} micro-steps) took a median "
-            f"{1e3 * med:,.0f} ms per step; {what} for the program compiled here with jax {pred['jax']}: the GPU took "
-            f"{med / p['time_s']:.2f}x the prediction. The per-micro-step figures of this section are predictions "
-            "of the same kind.", ""]
-
-
-def write(path: Path | None = None) -> Path:
-    if path is None:  # results redirected (dry runs, tests): keep the report beside them
-        path = common.ROOT / "BENCHMARKS.md" if common.RESULTS == common.ROOT / "benchmarks" / "results" \
-            else common.RESULTS / "BENCHMARKS.md"
+def render() -> dict[Path, str]:
+    """{path: text} of BENCHMARKS.md and docs/benchmark-history.md (see the module's docstring)."""
     train = {f"{s}-{a}": r for s, a in TRAIN_FILES if (r := _load(f"train_step-{s}-{a}"))}
     gen, data, ceil = _load("generate"), _load("data_loader"), _load("gemm_ceiling")
     if gen:  # variants measured in separate invocations (generate --out generate-<name>) join the table
@@ -382,24 +258,40 @@ def write(path: Path | None = None) -> Path:
     if any_res is None:
         raise SystemExit("no results under benchmarks/results/: run python -m benchmarks.run_all first")
     m, v, env = any_res["machine"], any_res["versions"], any_res["env"]
+    tr = targets(train, gen)
+    dates = sorted(r["started"][:10] for r in [*train.values(), gen] if r and r.get("started")) or ["?"]
+    cpu_targets = (["| target | measured | |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in tr] + [""]
+                   if tr else [])
     flags = ", ".join(f"{k} {'yes' if on else 'no'}" for k, on in m.get("flags", {}).items())
     out = [
         "# Benchmarks",
         "",
-        "Measured by the harness in `benchmarks/` (see its module docstrings). Reproduce everything, and rewrite "
-        "this file, with",
+        "Measured results first: each GPU run (its device, date, software and commands; the files as the GPU wrote "
+        "them under `benchmarks/results/<device>-<date>/`) and the CPU's, headlines then tables; then the "
+        "**predictions** for what no GPU has run, in one labelled table. The change-by-change history of "
+        "predictions and analyses is [docs/benchmark-history.md](docs/benchmark-history.md); how to run the GPU "
+        "measurements and bring their files back, [docs/gpu.md](docs/gpu.md). `python -m benchmarks.report` writes "
+        "both files from `benchmarks/results/` (no hand edits; `tests/test_report.py` checks it).",
         "",
-        "```",
-        "python -m benchmarks.run_all            # ~1 h on the 2-core machine below; waits for load < 1.5 first",
-        "```",
+        *gpu_headlines(),
+        "## Measured on the CPU",
         "",
-        "or one piece at a time: `python -m benchmarks.train_step --config {small,gpt2,gpt2-t256} --variants all "
+        f"{m.get('model_name')} (family {m.get('family')} model {m.get('model')}), {m.get('cores')} cores; jax "
+        f"{v.get('jax')}, torch {v.get('torch')}; measured {' to '.join(sorted({dates[0], dates[-1]}))} (each table "
+        "gives its date, load and command; machine, software and method under \"CPU tables\" below). "
+        "`python -m benchmarks.run_all` (~1 h on this machine; waits for load < 1.5 first) measures them all, or one "
+        "piece at a time: `python -m benchmarks.train_step --config {small,gpt2,gpt2-t256} --variants all "
         "--rounds 3 --steps 10 [--allocator default]`, `python -m benchmarks.generate`, "
-        "`python -m benchmarks.data_loader`, then `python -m benchmarks.report` (this file from "
-        "`benchmarks/results/*.json`). CI runs `python -m benchmarks.train_step --quick` through "
+        "`python -m benchmarks.data_loader`. CI runs `python -m benchmarks.train_step --quick` through "
         "`tests/test_benchmarks.py`.",
         "",
-        "## Machine and software (the CPU tables)",
+        *cpu_targets,
+        "## GPU tables",
+        "",
+        *gpu_details(),
+        "## CPU tables",
+        "",
+        "### Machine, software and method",
         "",
         f"* CPU: {m.get('model_name')} (vendor {m.get('vendor')}, family {m.get('family')} model {m.get('model')}"
         f"{', KVM guest' if m.get('hypervisor') else ''}), {m.get('cores')} cores, {m.get('mem_gib')} GiB; {flags}.",
@@ -439,52 +331,60 @@ def write(path: Path | None = None) -> Path:
                                                        for n, r in noisy)
                 + ". Oversubscription slows torch (OpenMP spin-waits) more than JAX, so even same-run ratios from "
                 "those runs are biased; re-run them on an idle machine before quoting them.", ""]
-    out += gpu_section()
-    out += gpu_compiled_section()
-    tr = targets(train, gen)
-    if tr:
-        out += ["## Targets", "", "| target | measured | |", "|---|---|---|"]
-        out += [f"| {a} | {b} | {c} |" for a, b, c in tr] + [""]
     for key, title in (("small-tuned", "Train step: small (L4 H4 C256, 16.1M params), T=256, batch 8"),
                        ("gpt2-tuned", "Train step: gpt2 124M, T=1024, batch 1"),
                        ("gpt2-t256-tuned", "Train step: gpt2 124M, T=256, batch 4")):
         if key in train:
-            out += [f"## {title}", "", train_step.markdown(train[key]), "",
+            out += [f"### {title}", "", train_step.markdown(train[key]), "",
                     f"Command: `{train[key]['command']}`", ""]
-    out += profile_section(train)
-    out += ceiling_section(ceil, train)
+    out += demote(profile_section(train))
+    out += demote(ceiling_section(ceil, train))
     at = allocator_table(train)
     if at:
-        out += ["## Allocator: glibc default vs tuned GLIBC_TUNABLES (small)", "",
+        out += ["### Allocator: glibc default vs tuned GLIBC_TUNABLES (small)", "",
                 train_step.markdown(train["small-default"]), "", at, "",
                 f"Command: `{train['small-default']['command']}`", ""]
     if gen:
-        out += ["## Generation (KV cache)", "", generate.markdown(gen), "",
+        out += ["### Generation (KV cache)", "", generate.markdown(gen), "",
                 "torch_ref has no KV cache (nanoGPT's plain generate recomputes the whole context for every token); "
                 "it is listed for reference, not as a like-for-like competitor.", "",
                 f"Command: `{gen['command']}`"
                 + "".join(f"; plus `{e['command']}` ({e['started']}, load avg {e['loadavg_start'][0]:.2f} -> "
                           f"{e['loadavg_end'][0]:.2f})" for e in gen.get("extra_runs", [])), ""]
     if data:
-        out += ["## Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
+        out += ["### Data loader", "", data_loader.markdown(data), "", f"Command: `{data['command']}`", ""]
     for name, title in (("eval_speed", "Evaluation: HellaSwag scoring"), ("checkpoint_io", "Checkpoint digests"),
                         ("muon", "Optimizers: Muon against AdamW"),
                         ("shakespeare-char-cpu", "nanoGPT's first run: character-level Shakespeare"),
                         ("fp8-loss-curve", "precision: fp8 against bf16: the char recipe's loss curve (CPU)")):
         md = common.RESULTS / f"{name}.md"
         if md.exists():  # their own tables, machine and command included (benchmarks/eval_speed.py, checkpoint_io.py)
-            out += [f"## {title}", "", md.read_text().rstrip(), ""]
+            out += [f"### {title}", "", *demote(md.read_text().rstrip().splitlines()), ""]
     dirty = sorted({f for r in [*train.values(), gen] if r for f in r.get("uncommitted_library_files", [])})
     if dirty:
-        out += ["## Provenance", "", "These library files were uncommitted (being edited) while some of the results "
+        out += ["### Provenance", "", "These library files were uncommitted (being edited) while some of the results "
                 "above were measured, so those results describe the working tree at the time, not a commit: "
                 + ", ".join(f"`{f}`" for f in dirty) + ".", ""]
-    path.write_text("\n".join(out))
-    return path
+    out += [*predictions_section(), "## History", "",
+            "What was predicted and analysed change by change before a GPU measured it (issue 32's table of changes, "
+            "the LayerNorm analysis, the compiled-only memory and traffic tables): "
+            "[docs/benchmark-history.md](docs/benchmark-history.md).", ""]
+    bench_md, history_md = paths()
+    return {bench_md: "\n".join(out), history_md: history()}
+
+
+def write() -> list[Path]:
+    written = []
+    for path, text in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        written.append(path)
+    return written
 
 
 def main() -> int:
-    print(f"wrote {write()}")
+    for path in write():
+        print(f"wrote {path}")
     return 0
 
 

@@ -217,7 +217,8 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {r.get('vs_fastest_torch', 0):.2f}x | {r['loss_first']:.3f} -> {statistics.median(r['loss_last']):.3f} |")
     srcs = {r["sources"]["train_step"] for r in res["variants"].values() if "error" not in r and r["framework"] == "jax"}
     opts = {f"{v}: {r['sources']['optimizer']}" for v, r in res["variants"].items() if "error" not in r}
-    lines += ["", f"Fastest torch variant: `{res['fastest_torch']}`. jaxgpt train step: {', '.join(sorted(srcs)) or '-'}; "
+    lines += ["", f"{res['shape']}, allocator `{res['allocator']}`: fastest torch variant `{res['fastest_torch']}`; "
+              f"jaxgpt train step: {', '.join(sorted(srcs)) or '-'}; "
               f"optimizers: {'; '.join(sorted(set(o.split(': ')[1] for o in opts)))}."]
     return "\n".join(lines)
 

@@ -23,7 +23,8 @@ import pytest
 from jaxgpt.compile import calibrated, hlo
 
 ROOT = Path(__file__).resolve().parents[1]
-B64_HLO = ROOT / "benchmarks" / "results" / "profile-gpu-h100-b64.hlo.txt.gz"  # the program the GPU ran
+H100_RUN = ROOT / "benchmarks" / "results" / "h100-2026-11-26"  # the run's files (benchmarks.gpu.results)
+B64_HLO = H100_RUN / "profile-gpu-h100-b64.hlo.txt.gz"  # the program the GPU ran
 B64_TRACE = ROOT / "tests" / "data" / "profile-gpu-h100-b64-one-step.trace.json.gz"  # one step of its trace
 B16_HLO = ROOT / "tests" / "data" / "hlo" / "gpt2-b16-h100-jax0.10.2.hlo.txt.gz"
 YAML_HLO = ROOT / "tests" / "data" / "hlo" / "gpt2-124m-yaml-h100-jax0.10.2.hlo.txt.gz"
@@ -193,7 +194,7 @@ def test_benchmarks_md_reports_the_accuracy_the_committed_calibration_has():
     from benchmarks.gpu import calibrate
 
     committed = json.loads((ROOT / "benchmarks" / "results" / "calibration-h100.json").read_text())
-    now = calibrate.check(ROOT / "benchmarks" / "results" / "profile-gpu-h100-b64.json")
+    now = calibrate.check(H100_RUN / "profile-gpu-h100-b64.json")
     assert [(r["label"], round(r["predicted_s"], 6)) for r in now["programs"]] == \
         [(r["label"], round(r["predicted_s"], 6)) for r in committed["programs"]]
     assert all(abs(r["error"]) < 0.15 for r in now["programs"])

@@ -348,82 +348,27 @@ def test_the_scaling_projection_follows_its_stated_model(tmp_path, capsys):
 
 
 def test_the_report_shows_gpu_tables_or_says_they_are_missing(results, monkeypatch):
+    """A GPU run is a directory of results/ with its run.json (benchmarks.gpu.results); the report renders each one's
+    tables, and says so where there is none."""
     from benchmarks import report
+    from benchmarks.gpu import results as runs
 
     assert "**Not yet measured**" in "\n".join(report.gpu_section())
     worker, _ = fake_worker({"jax_bf16": 32, "torch_compile_bf16": 32, "torch_eager_bf16": 16},
                             {"jax_bf16": 0.05, "torch_compile_bf16": 0.06, "torch_eager_bf16": 0.1})
     monkeypatch.setattr(common, "run_worker", worker)
     monkeypatch.setattr(common, "ensure_init", lambda preset, overrides=None: results / "init.npz")
+    run_dir = results / "gpu-2026-11-29"
+    run_dir.mkdir()
+    monkeypatch.setattr(common, "RESULTS", run_dir)
     res = gpu_bench.run(dry=False, batches=[16], eager_batches=[16], medium_batch=None, steps=20, budget_s=600,
                         log=lambda s: None)
     assert gpu_bench.result_name(res) == "train_step-gpu-other"  # nvidia-smi absent here: no GPU name
+    runs.write_meta(run_dir, runs.metadata("python -m benchmarks.gpu.bench", dry=False))
+    monkeypatch.setattr(common, "RESULTS", results)
     text = "\n".join(report.gpu_section())
-    assert "### `train_step-gpu-other`" in text and "| gpt2 | torch_compile_bf16 | 16 |" in text
-
-
-def test_the_compare_part_runs_on_the_cpu_within_its_files_and_budget(tmp_path, monkeypatch):
-    """Issue 32's device script, dry: the table, both profiles and the recipe at tiny shapes, 8 files."""
-    out = tmp_path / "out"
-    out.mkdir()
-    monkeypatch.setenv("OUT", str(out))
-    monkeypatch.setattr(common, "TMP", tmp_path / "scratch")  # the recipe's text, shards and run: not kept
-    assert gpu_session.main(["compare", "--dry", "--text", str(common.ROOT / "README.md")]) == 0
-    names = sorted(p.name for p in out.iterdir())
-    profile = [f"profile-gpu-dry-b2.{x}" for x in ("json", "md", "hlo.txt.gz", "trace.json.gz")]
-    assert names == sorted(["train_step-gpu-dry.json", "train_step-gpu-dry.md", *profile,
-                            "torch-profile-gpu-dry-b2.json", "session-compare-dry.json"])
-    assert len(names) <= gpu_session.COMPARE_FILES
-    s = json.loads((out / "session-compare-dry.json").read_text())
-    assert [r["step"] for r in s["steps"]] == [st.name for st in gpu_session.compare_steps(dry=True, text=tmp_path)]
-    assert all(r["status"] == "ok" for r in s["steps"])
-    assert s["files"] == [n for n in names if n != "session-compare-dry.json"] + ["session-compare-dry.json"]
-    assert sum(r["seconds"] for r in s["steps"]) <= s["budget_s"]
-    train = [m for m in s["recipe"]["metrics"] if m.get("type") == "train"]
-    assert [m["step"] for m in train] == [1, 2] and s["recipe"]["summary"] is not None
-    t = json.loads((out / "torch-profile-gpu-dry-b2.json").read_text())
-    kinds = {r["kind"]: r["ms_per_step"] for r in t["summary"]["rows"]}
-    assert kinds["GEMMs"] > 0 and kinds["optimizer (fused AdamW, grad clip)"] > 0 and "| GEMMs |" in t["markdown"]
-    rows = json.loads((out / "train_step-gpu-dry.json").read_text())["rows"]
-    assert {r["variant"] for r in rows} == {"jax_bf16", "jax_bf16_fast", "torch_eager_bf16"}
-    fast = next(r for r in rows if r["variant"] == "jax_bf16_fast")["details"]["policy"]
-    assert "layer_norm='pallas'" in fast and "gelu='pallas-gemm-bf16h'" in fast and "compute_dtype='bfloat16'" in fast
-    assert "logits_dtype='bfloat16'" in fast and "qkv='pallas'" in fast and "lm_head='pallas'" in fast
-    assert not any("error" in r for r in rows), rows
-
-
-def test_the_compare_budget_sets_aside_the_later_steps_needs(tmp_path):
-    py = [gpu_session.sys.executable, "-c"]
-    env = dict(gpu_session.os.environ)
-
-    def step(name, code, need, cap=30.0):
-        return gpu_session.Step(name, [*py, code], cap_s=cap, need_s=need)
-
-    slow = "import time; time.sleep(30)"
-    steps = [step("quick", "pass", 3), step("slow", slow, 1), step("fails", "raise SystemExit(3)", 3),
-             step("too big", "pass", 100), step("last", "pass", 3)]
-    recs = gpu_session.run_budgeted(steps, budget_s=20, env=env, log=lambda s: None)
-    by = {r["step"]: r for r in recs}
-    # the later needs (107 s) exceed the budget: each earlier step still gets its own need, first come first
-    assert by["quick"]["status"] == "ok" and by["quick"]["timeout_s"] == 3
-    assert by["slow"]["status"] == "timed out" and by["slow"]["timeout_s"] == 1 and by["slow"]["seconds"] < 5
-    assert by["fails"]["status"] == "failed" and by["fails"]["rc"] == 3
-    assert by["too big"]["status"] == "skipped" and "it needs 100" in by["too big"]["why"]
-    assert by["last"]["status"] == "ok" and 3 <= by["last"]["timeout_s"] < 20
-    # a step overrunning is cut where the later step's need (and the slack) begins
-    recs = gpu_session.run_budgeted([step("slow", slow, 1), step("last", "pass", 4, cap=5)], budget_s=10, env=env,
-                                    log=lambda s: None)
-    cut = 10 - 4 - gpu_session.SLACK_S
-    assert recs[0]["status"] == "timed out" and recs[0]["timeout_s"] == pytest.approx(cut, abs=0.2)
-    assert recs[1]["status"] == "ok" and recs[1]["timeout_s"] >= 4
-    real = gpu_session.compare_steps(dry=False, text=tmp_path / "t.txt")
-    assert sum(s.need_s + gpu_session.SLACK_S for s in real) <= gpu_session.COMPARE_BUDGET_S < 600  # the tool's
-    table = real[0].argv
-    assert table[table.index("--batches") + 1] == "64,16" and table[table.index("--eager-batches") + 1] == ""
-    assert table[table.index("--variants") + 1] == "jax_bf16,torch_compile_bf16,jax_bf16_fast"
-    assert "--max_steps=10" in real[-1].argv and any(a.endswith("gpt2-124m.yaml") for a in real[-1].argv)
-    with pytest.raises(SystemExit, match="needs a text file"):
-        gpu_session.compare_steps(dry=False, text=None)
+    assert "### `train_step-gpu-other` (gpu-2026-11-29)" in text and "| gpt2 | torch_compile_bf16 | 16 |" in text
+    assert "`benchmarks/results/gpu-2026-11-29/`" in text and "Commands: `python -m benchmarks.gpu.bench`" in text
 
 
 def test_torch_profile_groups_kernels_by_kind():
@@ -453,10 +398,10 @@ def test_torch_profile_groups_kernels_by_kind():
 
 
 def test_the_report_carries_the_hand_written_profile_analyses():
+    """The analyses of the measured trace are history: docs/benchmark-history.md, which the report writes."""
     from benchmarks import report
 
-    text = "\n".join(report.gpu_section())
+    text = report.history()
     note = (common.ROOT / "benchmarks" / "results" / "analysis-gpu-h100-b64-layernorm-bwd.md").read_text().rstrip()
     assert note in text and "analysis of the measured trace" in note
-    benchmarks_md = (common.ROOT / "BENCHMARKS.md").read_text()
-    assert all(line in benchmarks_md for line in text.splitlines())  # BENCHMARKS.md is still the report's output
+    assert text == (common.ROOT / "docs" / "benchmark-history.md").read_text()

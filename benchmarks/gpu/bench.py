@@ -145,7 +145,8 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
     base = {"shape": shape, "preset": preset, "seq": seq, "batch": batch, "variant": variant}
     if "error" in res:
         return {**base, "error": res["error"], "does_not_fit": bool(res.get("does_not_fit")),
-                "skipped": bool(res.get("skipped"))}
+                "skipped": bool(res.get("skipped")), **({"not_measured": res["not_measured"]}
+                                                         if res.get("not_measured") else {})}
     st = common.summarize(res["step_times_s"])
     full, causal = flops(preset, batch, seq, res.get("micro_steps", 1))
     peak, peak_src = peak_of(res.get("device_kind"))
@@ -168,6 +169,8 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
             "peak_device_gib": res["peak_device_mib"] / 1024 if res.get("peak_device_mib") else None,
             "cold_first_step_s": res["cold_first_step_s"], "loss_first": res["loss_first"], "loss_last": res["loss_last"],
             "predicted_step_ms": res["predicted_step_s"] * 1e3 if res.get("predicted_step_s") else None,
+            **({"predicted_error": res["predicted_error"]} if res.get("predicted_error") else {}),
+            "pallas_kernels": res.get("pallas_kernels") or [],
             "host_call_ms": host_calls(res.get("host_call_s")),
             "device_kind": res.get("device_kind"), "details": {k: res.get(k) for k in (
                 "train_step", "optimizer", "optimizer_class", "policy", "attention", "sdpa_backends_enabled",
@@ -176,7 +179,11 @@ def row_of(res: dict[str, Any], shape: str, preset: str, seq: int, batch: int, v
 
 def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch: int | None, steps: int,
         budget_s: float, variants: list[str] = VARIANTS, name: str | None = None, micro_steps: int = 1,
-        log=print) -> dict[str, Any]:
+        row_budget_s: dict[tuple[str, int], float] | None = None, log=print) -> dict[str, Any]:
+    """Every row of :func:`plan`, each in a fresh worker, results saved after each. ``budget_s``: no row starts
+    after it; ``row_budget_s`` ({(variant, batch): seconds}, a row's expected process time): a row whose budget
+    exceeds what is left is recorded as "not measured: budget" (and the next row tried), and a worker is given at
+    most what is left."""
     shapes = DRY_SHAPES if dry else SHAPES
     env = gpu_env(dry)
     started = time.time()
@@ -194,7 +201,13 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
         if (shape, variant) in too_big:
             row = {"error": "not run: a smaller micro-batch did not fit", "skipped": True, "variant": variant}
         elif time.time() - started > budget_s:
-            row = {"error": f"not run: the {budget_s:.0f} s time budget was spent", "skipped": True, "variant": variant}
+            row = {"error": f"not run: the {budget_s:.0f} s time budget was spent", "skipped": True, "variant": variant,
+                   "not_measured": "budget"}
+        elif (need := (row_budget_s or {}).get((variant, batch))) is not None \
+                and budget_s - (time.time() - started) < need:
+            row = {"error": f"not measured: budget ({budget_s - (time.time() - started):.0f} s of {budget_s:.0f} s "
+                            f"left, the row's budget is {need:.0f} s)", "skipped": True, "variant": variant,
+                   "not_measured": "budget"}
         else:
             spec = {"task": "train", "device": "cpu" if dry else "gpu", "variant": variant, "config": preset,
                     "overrides": PAD, "seq": seq, "batch": batch, "micro_steps": micro_steps, "warmup": 3,
@@ -203,7 +216,9 @@ def run(*, dry: bool, batches: list[int], eager_batches: list[int], medium_batch
             # a fresh inductor cache per worker: torch.compile's cold step is as cold as jaxgpt's (no reuse of
             # kernels an earlier variant compiled)
             wenv = {**env, "TORCHINDUCTOR_CACHE_DIR": str(common.TMP / f"inductor-gpu-{int(started)}-{i}")}
-            row = common.run_worker(spec, wenv, timeout=600, module=WORKER)
+            left = budget_s - (time.time() - started)
+            row = common.run_worker(spec, wenv, timeout=max(1.0, min(600.0, left)) if row_budget_s else 600,
+                                    module=WORKER)
         r = row_of(row, shape, preset, seq, batch, variant)
         if r.get("does_not_fit"):
             too_big.add((shape, variant))
@@ -420,13 +435,23 @@ def main(argv=None) -> int:
                    help=f"grown over --batches; a comma list of {VARIANTS + OPT_IN_VARIANTS}")
     p.add_argument("--out", help="results file stem (default train_step-gpu-<h100|h200|a100|other>, or -dry)")
     p.add_argument("--micro-steps", type=int, default=1, help="micro-batches per optimizer step (accumulated)")
+    p.add_argument("--row-budget-s", default="", help="VARIANT@BATCH=SECONDS,...: a row is not started with less than "
+                   "its budget left of --budget-s (recorded as 'not measured: budget'); benchmarks.gpu.compare's plan")
     a = p.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     if any(v not in VARIANTS + OPT_IN_VARIANTS for v in variants):
         raise SystemExit(f"--variants {a.variants!r}: allowed are {VARIANTS + OPT_IN_VARIANTS}")
+    rows = {}
+    for item in filter(None, (x.strip() for x in a.row_budget_s.split(","))):
+        try:
+            key, sec = item.split("=")
+            v, b = key.split("@")
+            rows[(v, int(b))] = float(sec)
+        except ValueError:
+            raise SystemExit(f"--row-budget-s {item!r}: expected VARIANT@BATCH=SECONDS") from None
     res = run(dry=a.dry, batches=_ints(a.batches), eager_batches=_ints(a.eager_batches),
               medium_batch=a.medium_batch or None, steps=a.steps, budget_s=a.budget_s, variants=variants,
-              name=a.out, micro_steps=a.micro_steps, log=lambda s: print(s, flush=True))
+              name=a.out, micro_steps=a.micro_steps, row_budget_s=rows or None, log=lambda s: print(s, flush=True))
     j, m = save(res)
     print(markdown(res))
     print(f"\nwrote {common.shown(j)} and {common.shown(m)}")

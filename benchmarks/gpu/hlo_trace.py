@@ -11,6 +11,8 @@ repeated its ``known_trip_count`` times) along the events of one stream in time 
 
 * a fusion launches one kernel, named as one of its group (a dynamic-slice fusion may run as ``memcpy32_post``);
   a copy launches one memcpy-like event; a while loop's condition may launch nothing (a counted loop);
+* a Pallas kernel (a ``__gpu$xla.gpu.triton`` custom-call) launches one kernel named as its ``pallas_call`` was
+  (``gemm_nn_bias_gelu``; Triton may append ``__1``, ``__2`` to tell apart kernels of one name);
 * consecutive library calls (custom-calls) take the events up to the next kernel XLA named (the names of every
   fusion of the module): each call launches one main kernel (a GEMM, the flash-attention kernel), with helpers
   before it (``Memset``, cuDNN's ``compute_dot_do_o``) or after it (``splitKreduce``, ``convert_dq``); a call's
@@ -38,6 +40,13 @@ MEMSET = re.compile(r"^memset", re.I)
 MEMCPY = re.compile(r"memcpy", re.I)
 HEAD = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s+\(.*\{\s*$")
 INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+PALLAS_NAME = re.compile(r'\bname\s*=\s*"([^"]*)"')  # in a Pallas custom-call's backend config
+DEDUP = re.compile(r"__\d+$")  # Triton's suffix on a second kernel of the same name
+
+
+def kernel_name(event: str) -> str:
+    """A kernel event's name less Triton's ``__N`` suffix (what a Pallas instruction's name is matched against)."""
+    return DEDUP.sub("", event)
 
 
 @dataclasses.dataclass
@@ -57,6 +66,7 @@ class Instr:
     condition: str = ""
     body: str = ""
     text: str = ""
+    pallas: str = ""  # a Pallas kernel's name (pallas_call(name=...)), "" for anything else
 
     @property
     def kernel(self) -> str:
@@ -124,6 +134,8 @@ def parse(hlo: str) -> Module:
             ins.op_name = g.group(1)
         if (g := re.search(r'custom_call_target="([^"]*)"', rest)):
             ins.kind = g.group(1)
+            if "xla.gpu.triton" in ins.kind and (g := PALLAS_NAME.search(rest)):
+                ins.pallas = g.group(1)
         elif (g := re.search(r"kind=(k\w+)", rest)):
             ins.kind = g.group(1) + (" __triton" + ("_gemm" if "triton_gemm" in rest else "")
                                      if '"kind":"__triton' in rest else "")
@@ -178,7 +190,7 @@ def schedule(mod: Module) -> list[Launch]:
                                     if "branch_computations" in ins.text else ""):
                     walk(b, True)
             else:
-                out.append(Launch(ins, library=ins.opcode == "custom-call", optional=optional))
+                out.append(Launch(ins, library=ins.opcode == "custom-call" and not ins.pallas, optional=optional))
 
     walk(mod.entry, False)
     return out
@@ -189,14 +201,16 @@ class MappingError(ValueError):
 
 
 def _groups(mod: Module, launches: list[Launch]) -> dict[str, set[str]]:
-    """instruction name -> the kernel names it may run under: those of the fusions with the same fingerprint."""
+    """instruction name -> the kernel names it may run under: those of the fusions with the same fingerprint (a
+    Pallas kernel: its pallas_call name)."""
     members: dict[str, set[str]] = {}
     key = {}
     for la in launches:
         ins = la.instr
         if ins.name not in key:
-            key[ins.name] = mod.fingerprint(ins.calls) if ins.calls else ins.name
-            members.setdefault(key[ins.name], set()).add(ins.kernel)
+            key[ins.name] = ("pallas", ins.pallas) if ins.pallas else mod.fingerprint(ins.calls) if ins.calls \
+                else ins.name
+            members.setdefault(key[ins.name], set()).add(ins.pallas or ins.kernel)
     return {n: members[k] for n, k in key.items()}
 
 
@@ -240,6 +254,13 @@ def align(events: list[dict], mod: Module,
         raise MappingError("the module's schedule launches nothing")
     names = _groups(mod, sched)
     xla_names = set().union(*(names[la.instr.name] for la in sched if not la.library))
+    pallas = {la.instr.name for la in sched if la.instr.pallas}
+
+    def named(event: str, instr: str) -> bool:  # the event is a kernel of the instruction (Pallas: less __N)
+        return event in names[instr] or (instr in pallas and kernel_name(event) in names[instr])
+
+    def xla_named(event: str) -> bool:
+        return event in xla_names or kernel_name(event) in xla_names
     out: list[tuple[dict, Instr]] = []
     runs: collections.Counter = collections.Counter()
     i, steps, n = 0, 0, len(events)
@@ -252,7 +273,7 @@ def align(events: list[dict], mod: Module,
                 while k + len(calls) < len(sched) and sched[k + len(calls)].library:
                     calls.append(sched[k + len(calls)])
                 j = i
-                while j < n and events[j]["name"] not in xla_names and not MEMCPY.search(events[j]["name"]):
+                while j < n and not xla_named(events[j]["name"]) and not MEMCPY.search(events[j]["name"]):
                     j += 1
                 if j == i:
                     raise MappingError(f"event {i} ({events[i]['name'][:60]}): expected the library kernels of "
@@ -265,7 +286,7 @@ def align(events: list[dict], mod: Module,
                 continue
             name = events[i]["name"]
             copyish = la.instr.opcode in ("copy", "copy-start", "fusion-start") or "dynamic" in la.instr.calls
-            if name in names[la.instr.name] or (copyish and MEMCPY.search(name)):
+            if named(name, la.instr.name) or (copyish and MEMCPY.search(name)):
                 out.append((events[i], la.instr))
                 ran[la.instr.name] += 1
                 i += 1

@@ -1,6 +1,7 @@
 """Where jaxgpt's train step spends its time on a GPU: a ``jax.profiler`` trace, summarised into a table.
 
     python -m benchmarks.gpu.profile --batch 32        # on a GPU: profile-gpu-<device>-b32.{md,json}, trace kept
+    python -m benchmarks.gpu.profile --batch 64 --variant jax_bf16_fast   # a bench variant's policy: ...-b64-jax_bf16_fast
     python -m benchmarks.gpu.profile --dry             # the same code path on the CPU, tiny shapes (tests)
     python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO.txt.gz [--meta RUN.json] [--json OUT.json]
     python -m benchmarks.gpu.profile --summarise TRACE --hlo HLO.txt.gz --trim-to-one-step OUT.trace.json.gz
@@ -243,13 +244,15 @@ def ceiling(summary: dict[str, Any], mfu: float | None) -> float | None:
     return mfu * summary["step_ms"] / compute if mfu and compute else None
 
 
-def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) -> dict[str, Any]:
+def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None, label: str = "") -> dict[str, Any]:
     """Compile jaxgpt's train step (gpt2 124M, T=1024, padded vocabulary; ``dry``: tiny on the CPU), run 3
-    warm-up steps, trace ``steps`` steps, and summarise the trace."""
+    warm-up steps, trace ``steps`` steps, and summarise the trace. ``label`` (a bench variant's name) goes into the
+    files' stem; the Pallas kernels the step was built with are recorded (``pallas_kernels``)."""
     import jax
     from flax import nnx
 
     from benchmarks import impl
+    from benchmarks.gpu import pallas_tiles
     from benchmarks.gpu.bench import DRY_SHAPES, PAD, SHAPES, flops, peak_of
     from benchmarks.worker import make_batch
     from jaxgpt.config import GPTConfig
@@ -264,8 +267,10 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
     state, step_fn, src = impl.jax_train_step(model, opt, micro_steps=1)
     x, y = make_batch(cfg, 1, batch, seq)
     xd, yd, key = jax.device_put(x), jax.device_put(y), jax.random.key(0)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
     t0 = time.perf_counter()
-    hlo = step_fn.jitted.lower(state, xd, yd, key).compile().as_text()
+    with pallas_tiles.recording() as kernels:  # traced (its Pallas kernels built) in the lowering
+        hlo = step_fn.jitted.lower(state, xd, yd, key).compile().as_text()
     compile_s = time.perf_counter() - t0
     for _ in range(3):
         state, _ = step_fn(state, xd, yd, key)
@@ -284,14 +289,16 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
     peak, peak_src = peak_of(dev.device_kind)
     full, causal = flops(preset, batch, seq)
     mfu = full / (wall / steps) / peak if peak else None
-    hlo_path = common.RESULTS / f"{_stem(dry, dev.device_kind, batch)}.hlo.txt.gz"
+    stem = _stem(dry, dev.device_kind, batch, label)
+    hlo_path = common.RESULTS / f"{stem}.hlo.txt.gz"
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     with gzip.open(hlo_path, "wt") as f:
         f.write(hlo)
-    trace_copy = common.RESULTS / f"{_stem(dry, dev.device_kind, batch)}.trace.json.gz"
+    trace_copy = common.RESULTS / f"{stem}.trace.json.gz"
     trace_copy.write_bytes(sorted(tdir.rglob("*.trace.json.gz"))[-1].read_bytes())
     return {"benchmark": "gpu_profile", "dry": dry, "device_kind": dev.device_kind, "preset": preset, "seq": seq,
-            "batch": batch, "policy": str(pol), "train_step": src, "compile_s": compile_s,
+            "batch": batch, "label": label, "started": started, "policy": str(pol), "pallas_kernels": kernels,
+            "train_step": src, "compile_s": compile_s,
             "traced_step_ms": wall / steps * 1e3, "mfu": mfu, "peak_source": peak_src, "flops_per_step": full,
             "flops_per_step_causal_halved": causal, "ceiling_mfu": ceiling(summary, mfu), "summary": summary,
             "instructions": instructions,
@@ -299,10 +306,10 @@ def profile(*, dry: bool, batch: int, steps: int, policy: dict | None = None) ->
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "hlo_file": hlo_path.name, "trace_file": trace_copy.name}
 
 
-def _stem(dry: bool, kind: str, batch: int) -> str:
+def _stem(dry: bool, kind: str, batch: int, label: str = "") -> str:
     k = kind.lower()
     dev = "dry" if dry else "h200" if "h200" in k else "h100" if "h100" in k else "a100" if "a100" in k else "gpu"
-    return f"profile-gpu-{dev}-b{batch}"
+    return f"profile-gpu-{dev}-b{batch}" + (f"-{label}" if label else "")
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -326,6 +333,11 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{r['events_per_step']:.0f} | {top} |")
     if s["other_top"]:
         lines += ["", "Largest uncategorised: " + "; ".join(f"`{k[:70]}` {t:.2f} ms" for k, t in s["other_top"][:5])]
+    if res.get("pallas_kernels"):
+        from benchmarks.gpu.pallas_tiles import gemm_tiles
+
+        tiles = gemm_tiles(res["pallas_kernels"])
+        lines += ["", "Pallas GEMM tiles (bm x bn x bk, warps, stages, grid): " + ("; ".join(tiles) if tiles else "none")]
     return "\n".join(lines)
 
 
@@ -367,6 +379,8 @@ def main(argv=None) -> int:
                    help="steps to trace (default 5); with --summarise: steps in the trace (default: found in it)")
     p.add_argument("--dry", action="store_true", help="tiny shapes on the CPU (the code path; tests)")
     p.add_argument("--policy", default="{}", help='Policy overrides as JSON, e.g. \'{"attention": "xla"}\'')
+    p.add_argument("--variant", help="a bench variant's Policy fields (benchmarks.gpu.worker.VARIANT_POLICY, e.g. "
+                   "jax_bf16_fast), added to --policy; its name goes into the files' stem")
     p.add_argument("--summarise", metavar="TRACE", help="only summarise a saved trace (a .trace.json.gz or the "
                    "directory holding it; with --hlo)")
     p.add_argument("--hlo", help="the compiled HLO text (.txt or .txt.gz) of the traced step")
@@ -407,8 +421,15 @@ def main(argv=None) -> int:
         p.error("--json, --meta and --trim-to-one-step go with --summarise")
     if a.dry:
         os.environ["JAX_PLATFORMS"] = "cpu"
-    res = profile(dry=a.dry, batch=a.batch, steps=a.steps or 5, policy=json.loads(a.policy))
-    j, m = common.save_result(_stem(a.dry, res["device_kind"], a.batch), res, markdown(res))
+    policy = json.loads(a.policy)
+    if a.variant:
+        from benchmarks.gpu.worker import VARIANT_POLICY
+
+        if a.variant not in VARIANT_POLICY:
+            p.error(f"--variant {a.variant}: not a bench variant with Policy fields; valid: {sorted(VARIANT_POLICY)}")
+        policy = {**VARIANT_POLICY[a.variant], **policy}
+    res = profile(dry=a.dry, batch=a.batch, steps=a.steps or 5, policy=policy, label=a.variant or "")
+    j, m = common.save_result(_stem(a.dry, res["device_kind"], a.batch, a.variant or ""), res, markdown(res))
     j.write_text(dumps(res))  # one line per instruction
     print(markdown(res))
     print(f"\nwrote {common.shown(j)}, {common.shown(m)}, {res['hlo_file']} and {res['trace_file']}")

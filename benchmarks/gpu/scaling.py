@@ -1,7 +1,7 @@
 """Expected data-parallel throughput on N GPUs from a measured one-GPU step and a stated all-reduce cost model
 (docs/scaling.md, "What 8 GPUs should give").
 
-    python -m benchmarks.gpu.scaling --from benchmarks/results/train_step-gpu-h100.json    # the measured b=32 row
+    python -m benchmarks.gpu.scaling --from benchmarks/results/h100-2026-11-26/train_step-gpu-h100.json    # the measured b=32 row
     python -m benchmarks.gpu.scaling --micro-step-ms 80 --batch 32                        # any figure by hand
 
 The model, for gpt2 124M under jaxgpt's default mesh (``data=N``, params replicated):

@@ -14,7 +14,10 @@ on the host inside a window (jaxgpt's training loop fetches metrics every ``log_
 (it has finished the previous window), and a call slower than the device's step makes the window host-bound.
 
 A micro-batch that does not fit in device memory returns ``{"does_not_fit": True, "error": ...}`` instead of
-raising: the orchestrator reports it as "does not fit" and stops growing that variant's batch.
+raising: the orchestrator reports it as "does not fit" and stops growing that variant's batch. What is measured is
+never lost to what is only derived: the step's prediction (``predicted_step_s``) is computed after the timing, and
+an error there is recorded as ``predicted_error`` beside the measured row. A jaxgpt row also records the tile
+configuration of every Pallas kernel its step was built with (``pallas_kernels``, :mod:`benchmarks.gpu.pallas_tiles`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks import worker
+from benchmarks.gpu import fastset, pallas_tiles
 from benchmarks.worker import peak_rss_mib
 
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory", "Failed to allocate")
@@ -62,14 +66,11 @@ VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_ge
                   # c_proj's bf16 output gradient and bias sums from the kernels that make the gradient
                   "jax_bf16_c_proj": {"layer_norm": "pallas", "c_proj": "pallas"},
                   "jax_bf16_gelu_recompute": {"gelu": "pallas-recompute"},  # pallas-gemm, h recomputed
-                  # Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs, c_proj's gradient from
-                  # them, bf16 logits (as torch.compile's autocast writes them):
-                  # and h kept in bf16 for GELU's backward (as torch.compile's autocast keeps it): the program issue
-                  # 32 predicts fastest (BENCHMARKS.md); the compare part measures it beside the default and
-                  # torch.compile (jax_bf16_pallas + bf16 logits until 2026-11-27's GEMM kernels; gelu pallas-gemm,
-                  # an fp32 h, until 2026-11-28: jax_bf16_fast_h32, the fastest set with the default's numerics)
-                  "jax_bf16_fast": {"layer_norm": "pallas", "gelu": "pallas-gemm-bf16h", "qkv": "pallas",
-                                    "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"},
+                  # the fast set (benchmarks.gpu.fastset: the program issue 32 predicts fastest) but for its grouped
+                  # gradient norm, an optimizer setting the bench's fixed optimizer does not take; the compare part
+                  # measures it beside the default and torch.compile (jax_bf16_fast_h32: the same set with gelu
+                  # pallas-gemm, an fp32 h, the default's numerics)
+                  fastset.VARIANT: fastset.policy_fields(),
                   "jax_bf16_fast_h32": {"layer_norm": "pallas", "gelu": "pallas-gemm", "qkv": "pallas",
                                         "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"}}
 
@@ -86,11 +87,13 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
     framework, precision, compiled = variant
     runner = _jax if framework == "jax" else _torch
     load_start = list(os.getloadavg())
+    tiles = pallas_tiles.recording() if framework == "jax" else contextlib.nullcontext([])
     try:
-        fns = runner(spec, cfg, precision, compiled, x, y, init)
-        t0 = time.perf_counter()
-        first = fns["step"]()
-        fns["sync"]()
+        with tiles as kernels:  # the step is traced (its Pallas kernels built) in its first call
+            fns = runner(spec, cfg, precision, compiled, x, y, init)
+            t0 = time.perf_counter()
+            first = fns["step"]()
+            fns["sync"]()
         cold = time.perf_counter() - t0
         loss_first = fns["value"](first)
         for _ in range(spec.get("warmup", 3)):
@@ -117,6 +120,12 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
         first_line = next((s for s in str(e).splitlines() if s.strip()), type(e).__name__)
         return {"does_not_fit": True, "error": f"does not fit: {first_line[:300]}", "variant": spec["variant"],
                 "framework": framework, "precision": precision, "peak_rss_mib": peak_rss_mib()}
+    predicted, predicted_error = None, None
+    if "predicted_s" in fns:  # derived, after the measurement: an error here must not lose the measured row
+        try:
+            predicted = fns["predicted_s"]()
+        except Exception as e:  # noqa: BLE001 - recorded in one line beside the row
+            predicted_error = f"{type(e).__name__}: {next(iter(str(e).splitlines()), '')[:300]}"
     return {
         **fns["info"], "variant": spec["variant"], "framework": framework, "precision": precision,
         "micro_steps": x.shape[0],
@@ -125,7 +134,8 @@ def run_train_gpu(spec: dict[str, Any], cfg, variant: tuple[str, str, bool], x, 
         "timing": f"{spec.get('windows', 4)} windows x {window} steps, synchronised at each window's ends",
         "loss_first": loss_first, "loss_last": loss_last, "peak_device_mib": fns["peak_mib"](),
         "peak_rss_mib": peak_rss_mib(), "loadavg_start": load_start, "loadavg_end": list(os.getloadavg()),
-        "predicted_step_s": fns["predicted_s"]() if "predicted_s" in fns else None,
+        "predicted_step_s": predicted, **({"predicted_error": predicted_error} if predicted_error else {}),
+        "pallas_kernels": kernels,
     }
 
 

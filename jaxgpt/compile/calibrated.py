@@ -11,14 +11,20 @@ per execution ``latency + FLOPs / achieved FLOP/s + bytes / achieved bytes/s``:
   bandwidth grows with the bytes a kernel moves, as it does on the GPU;
 * once per program execution, the host's dispatch: the measured step time minus the sum of its kernels.
 
-The rates are fitted offline (``benchmarks/gpu/calibrate.py``) from a profile of the GPU running one program,
-matched kernel by kernel to that program's optimized HLO, and stored with their provenance beside this module
-(``calibration-<device>.json``). A kernel of a class the trace never saw (a new layout, an fp8 GEMM, a Pallas
-kernel, a collective) takes the least efficient measured class of its kind (for a collective: of the
-bandwidth-bound kinds) and is marked uncalibrated. A Pallas GEMM (jaxgpt.gemm's) is read as its GEMM, a class of
-its own (so the least efficient measured GEMM rate), and its epilogue's extra bytes, a Pallas kernel (the least
-efficient fusion rate), one after the other. The roofline (:mod:`jaxgpt.compile.predict`) stays the lower
-bound beside it.
+* jaxgpt's own Pallas kernels, each by its name (``pallas_call(name=...)``), a class of its own: a Pallas GEMM
+  (``gemm_*``: the GEMM and its epilogue, which the trace times as one kernel) a fixed cost and an achieved TFLOP/s
+  of its GEMM FLOPs, the epilogue's work inside that rate; any other Pallas kernel (LayerNorm, GELU) a fixed cost
+  and an achieved bandwidth.
+
+The rates are fitted offline (``benchmarks/gpu/calibrate.py``) from a profile of one GPU running one program,
+matched kernel by kernel to that program's optimized HLO, and stored with their provenance beside this module, one
+file per device: ``calibration-<device>.json`` (:func:`path_for`; the H100 SXM's is ``calibration-h100.json``). A
+target without its own file has no calibrated estimate (:func:`status` says so): no device's rates stand in for
+another's. A kernel of a class its device's trace never saw (a new layout, an fp8 GEMM, a Pallas kernel, a
+collective) takes the least efficient measured class of its kind (for a collective: of the bandwidth-bound kinds;
+a Pallas GEMM: the least efficient measured GEMM for its GEMM and the least efficient fusion rate for its
+epilogue's extra bytes, one after the other; another Pallas kernel: the least efficient fusion) and is marked
+uncalibrated. The roofline (:mod:`jaxgpt.compile.predict`) stays the lower bound beside it.
 """
 
 from __future__ import annotations
@@ -29,10 +35,27 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxgpt.compile.hlo import COLLECTIVES, Kernel
+from jaxgpt.compile.hlo import COLLECTIVES, Kernel, is_epilogue
+from jaxgpt.compile.targets import TARGETS
 
-CALIBRATIONS = {"h100-sxm": Path(__file__).with_name("calibration-h100.json")}
-KINDS = ("gemm", "attention", "fusion", "copy", "collective")
+HERE = Path(__file__).parent
+FILE_NAMES = {"h100-sxm": "h100"}  # the first calibration's file name (2026-11-26), kept; others by target name
+KINDS = ("gemm", "attention", "fusion", "copy", "collective", "pallas-gemm", "pallas")
+# where a class the trace never saw takes its stand-in rate: the least efficient measured class of these kinds
+STAND_IN = {"collective": ("fusion", "copy"), "copy": ("fusion", "copy"), "pallas-gemm": ("gemm",),
+            "pallas": ("fusion",)}
+
+
+class CalibrationError(ValueError):
+    """A calibration file that does not belong where it lies (another device's rates), with the fix."""
+
+
+def path_for(device: str) -> Path:
+    """The calibration file of a compile target (``jaxgpt.compile.targets.TARGETS`` key), present or not."""
+    return HERE / f"calibration-{FILE_NAMES.get(device, device)}.json"
+
+
+CALIBRATIONS = {name: path_for(name) for name in TARGETS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +90,12 @@ def kernel_class(k: Kernel) -> tuple[str, str]:
         return "attention", "cudnn bwd" if "Backward" in k.opcode else "cudnn fwd"
     if k.opcode.startswith("__cudnn"):
         return "attention", k.opcode
+    if k.gemm.startswith("pallas ") or is_epilogue(k):  # jaxgpt's own GEMM, timed with its epilogue: by its name
+        return "pallas-gemm", k.pallas or k.gemm
     if k.gemm:  # "bf16->f32 NT": the engine (cuBLAS or Triton) is left out: autotuning on the GPU picks either
-        engine, cls = k.gemm.split(" ", 1)
-        return "gemm", k.gemm if engine == "pallas" else cls  # a Pallas GEMM (jaxgpt's own) is a class of its own
+        return "gemm", k.gemm.split(" ", 1)[1]
+    if k.pallas:  # a Pallas kernel that is no GEMM (LayerNorm, GELU's backward): by its name
+        return "pallas", k.pallas
     if k.opcode in COLLECTIVES:
         return "collective", k.opcode
     if k.opcode in ("copy", "copy-start", "transpose"):
@@ -98,24 +124,53 @@ class Calibration:
 
     def rate(self, k: Kernel) -> tuple[Rate, bool]:
         """The kernel's rate and whether the trace measured its class (False: the least efficient measured class
-        of its kind stands in; a collective's kind is bandwidth-bound: fusions and copies)."""
+        of its kind stands in (:data:`STAND_IN`); a Pallas GEMM's epilogue half: of the fusions)."""
         kind, name = kernel_class(k)
         known = self.rates.get((kind, name))
         if known is not None and (known.bytes_per_s or known.flops_per_s or not (k.bytes or k.flops)):
             return known, True
         # unseen, or seen only without work (copies of nothing): the least efficient of its kind, or of the
         # bandwidth-bound kinds for data movement
-        near = ("fusion", "copy") if kind in ("collective", "copy") else (kind,)
+        near = ("fusion",) if is_epilogue(k) else STAND_IN.get(kind, (kind,))
         pool = [r for r in self.rates.values() if r.kind in near and r.efficiency() > 0]
         if not pool:
             raise ValueError(f"the {self.device} calibration measured no {kind} kernel to stand in for {name!r}")
         worst = min(pool, key=Rate.efficiency)
         return worst, False
 
+    def time_s(self, k: Kernel) -> tuple[Rate, bool, float]:
+        """(rate, calibrated, seconds per execution) of ``k``: the epilogue half of a Pallas GEMM whose class was
+        measured costs nothing of its own (the class's rate timed GEMM and epilogue as one kernel)."""
+        rate, known = self.rate(k)
+        return rate, known, 0.0 if known and is_epilogue(k) else rate.time_s(k)
+
 
 def for_target(name: str) -> Calibration | None:
-    path = CALIBRATIONS.get(name)
-    return Calibration.load(path) if path is not None and path.is_file() else None
+    """``name``'s own calibration (None where no trace of that device was fitted); a file holding another device's
+    rates is refused."""
+    path = path_for(name)
+    if not path.is_file():
+        return None
+    cal = Calibration.load(path)
+    if cal.device != name:
+        raise CalibrationError(f"{path.name} holds {cal.device}'s rates, not {name}'s: fit {name}'s own from its trace "
+                               "(python -m benchmarks.gpu.calibrate --profile RUN/profile-gpu-....json) or remove it")
+    return cal
+
+
+def status(name: str) -> dict[str, Any]:
+    """Whether ``name`` has a calibration and from which trace: what ``python -m jaxgpt.compile`` prints and writes
+    beside its estimate."""
+    path = path_for(name)
+    cal = for_target(name)
+    if cal is None:
+        return dict(calibrated=False, device=name, file=None,
+                    why=f"no {path.name}: no {name} trace has been fitted (python -m benchmarks.gpu.calibrate on a "
+                        "profile from that GPU writes it)", estimate="the roofline lower bound only")
+    p = cal.provenance
+    return dict(calibrated=True, device=name, file=f"jaxgpt/compile/{path.name}", trace=p.get("trace"),
+                hlo=p.get("hlo"), device_kind=p.get("device_kind"), jax=p.get("jax"), measured=p.get("measured"),
+                classes=len(cal.rates))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +218,10 @@ def estimate(kernels: list[Kernel], calibration: Calibration, *, executions: int
     times the host dispatches it per step; a program with gradient accumulation inside is dispatched once)."""
     out = []
     for k in kernels:
-        rate, known = calibration.rate(k)
-        out.append(KernelTime(k, rate.kind if known else kernel_class(k)[0], rate.name, known,
-                              rate.time_s(k) * k.count))
+        rate, known, seconds = calibration.time_s(k)
+        kind = kernel_class(k)[0]
+        # an unseen Pallas kernel is shown under the kind whose rate stands in (a Pallas GEMM's GEMM half: "gemm",
+        # its epilogue: "fusion"), any other unseen kernel under its own
+        out.append(KernelTime(k, rate.kind if known or kind.startswith("pallas") else kind, rate.name, known,
+                              seconds * k.count))
     return Estimate(out, calibration.step_overhead_s * executions, calibration)

@@ -112,22 +112,27 @@ def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: 
     from jaxgpt.devices import mixed_peak
 
     pred = predict.predict(kernels, predict.gpu_peaks(target), model_flops=model_flops, tokens=tokens)
-    cal = calibrated.for_target(target.name)
+    try:
+        cal = calibrated.for_target(target.name)
+    except calibrated.CalibrationError as e:
+        raise CompileError(str(e)) from None
+    status = calibrated.status(target.name)
     peak, peak_name = target.peak_bf16, "bf16"
     if e4m3_flops:
         peak = mixed_peak(target.name, e4m3_flops, model_flops - e4m3_flops).peak
         peak_name = f"blended (fp8 for {e4m3_flops / model_flops:.1%} of the FLOPs, bf16 for the rest)"
     bound = dict(pred.to_dict(), bound_s=pred.time_s, bound_mfu=pred.mfu(peak))
     if cal is None:
-        lines = ["predicted from the compiled kernels (a roofline lower bound on time, not a measurement; no "
-                 f"calibration for {target.name}: measured on an H100 only):",
+        lines = ["predicted from the compiled kernels (a roofline lower bound on time, not a measurement; not "
+                 f"calibrated for {target.name}: {status['why']}):",
                  pred.table(peak=peak, peak_name=f"{target.name} dense {peak_name} {peak / 1e12:,.0f} TFLOP/s")]
-        return Report(dict(bound, time_s=None, mfu=None, calibrated=None), lines)
+        return Report(dict(bound, time_s=None, mfu=None, calibrated=None, calibration=status), lines)
     est = calibrated.estimate(kernels, cal)
     by_cat = est.by(lambda k: k.kernel.category)
     unc = est.by(lambda k: k.kernel.category if not k.calibrated else "")
     lines = [f"predicted step time: calibrated to what {cal.provenance.get('device_kind', target.name)} ran "
-             f"({cal.provenance.get('trace', '?')}, {cal.provenance.get('jax', '?')}), beside the roofline bound",
+             f"({cal.provenance.get('trace', '?')}, {cal.provenance.get('jax', '?')}; {status['file']}), beside the "
+             "roofline bound",
              f"{'kernels by scope':<26}{'launches':>10}{'TFLOP':>9}{'GB moved':>10}{'bound ms':>10}{'estimate ms':>13}"]
     for r in pred.rows:
         mark = "  (uncalibrated)" if unc.get(r.category) else ""
@@ -143,7 +148,7 @@ def prediction(kernels, target, *, model_flops: float, tokens: int, flops_name: 
     if est.uncalibrated_s:
         lines.append(f"uncalibrated: {est.uncalibrated_s * 1e3:,.2f} ms of kernels of classes the trace never saw, at "
                      f"the least efficient measured rate of their kind: {', '.join(est.to_dict()['uncalibrated'])}")
-    return Report(dict(bound, time_s=est.time_s, mfu=mfu, calibrated=est.to_dict()), lines)
+    return Report(dict(bound, time_s=est.time_s, mfu=mfu, calibrated=est.to_dict(), calibration=status), lines)
 
 
 def describe(cs, target, mem_fraction: float) -> Report:

@@ -154,6 +154,7 @@ class Kernel:
     gemm: str = ""  # a GEMM's engine (cublas, triton: XLA's; pallas: jaxgpt's kernels), dtypes and layout:
     #                 "cublas bf16->f32 NT" (N: contracted on the operand's own side of a row-major matmul, lhs
     #                 columns / rhs rows; T: the other), "" if no GEMM
+    pallas: str = ""  # a Pallas kernel's name (pallas_call(name=...)): its GEMM and its epilogue carry it both
 
 
 def _dot_flops(result: Array, lhs: Array, contracting: list[int]) -> float:
@@ -275,7 +276,7 @@ class Rollup:
             flops = ins.shapes[0].elements
         nbytes = self._operand_bytes(comp, ins) + self._result_bytes(comp, ins)
         return Kernel(ins.name, kind, categorize(ins, kind, dot_dtype), flops, nbytes, times, dot_dtype, ins.op_name,
-                      loop_depth, gemm)
+                      loop_depth, gemm, pallas_name(ins))
 
     def _pallas_gemm(self, comp: str, ins: Instr, kernel: Kernel) -> list[Kernel]:
         """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's; ``gemm_ntsum_*``:
@@ -372,6 +373,11 @@ def _gemm_and_epilogue(ins: Instr, kernel: Kernel, flops: float, gemm_bytes: flo
     return [dataclasses.replace(kernel, flops=flops, bytes=gemm_bytes, matmul_dtype=dtype, gemm=gemm,
                                 category=categorize(ins, kernel.opcode, dtype)),
             dataclasses.replace(kernel, name=f"{kernel.name} epilogue", flops=0.0, bytes=kernel.bytes - gemm_bytes)]
+
+
+def is_epilogue(k: Kernel) -> bool:
+    """Whether ``k`` is the epilogue half of a Pallas GEMM (:func:`_gemm_and_epilogue`): bytes only, timed with its GEMM."""
+    return bool(k.pallas) and k.name.endswith(" epilogue")
 
 
 def pallas_name(ins: Instr) -> str:
