@@ -25,8 +25,9 @@ from einops import rearrange
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fused_loss, gelu, gelu_gemm, norm, ops
-from jaxgpt import qkv as qkv_gemms
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss, gelu, mlp as gelu_gemm, layer_norm as norm
+from jaxgpt.kernels import qkv as qkv_gemms
 from jaxgpt.config import GPTConfig
 from jaxgpt.precision import GELU_IN_GEMMS, Policy
 
@@ -160,7 +161,7 @@ class Residual(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Projection:
     """A Linear's output not computed yet (``Policy.c_proj = "pallas"``): its input and the layer.
-    :meth:`LayerNorm.branch` computes it inside its kernels' custom VJP (jaxgpt.norm's ``proj``); calling it computes
+    :meth:`LayerNorm.branch` computes it inside its kernels' custom VJP (jaxgpt.kernels.layer_norm's ``proj``); calling it computes
     ``layer(x)``."""
 
     x: Float[Array, "... d_in"]
@@ -172,7 +173,7 @@ class Projection:
 
 class LayerNorm(nnx.Module):
     """LayerNorm over the last axis, statistics in fp32, optional bias (GPT-2: eps 1e-5, with bias). ``impl``:
-    Policy.layer_norm ("fused": the same function with jaxgpt.norm's two-pass backward; "pallas": ``branch`` with
+    Policy.layer_norm ("fused": the same function with jaxgpt.kernels.layer_norm's two-pass backward; "pallas": ``branch`` with
     one-kernel forward and backward on GPUs). ``branch(x)`` is ``(x, ln(x))``: what a Block's residual branch takes;
     under "pallas" the GPU's kernel writes ln(x) in ``gemm_dtype``, the operand dtype of the GEMMs that read it."""
 
@@ -203,7 +204,7 @@ class LayerNorm(nnx.Module):
                add: Float[Array, "... embed"] | Projection | None = None, residual: bool = True
                ) -> tuple[Float[Array, "... embed"], ...]:
         """``(x, ln(x), ...)`` with ``copies`` copies of ln(x), one per GEMM that reads it, of ``x + add`` if ``add``
-        is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.norm) whose forward makes the
+        is given (a residual branch's output); under "pallas" one custom VJP (jaxgpt.kernels.layer_norm) whose forward makes the
         sum and ln(x) in one pass on GPUs, and whose backward also adds x's residual gradient and sums the copies'
         gradients itself. ``add`` may be a :class:`Projection` (the attention's c_proj under ``Policy.c_proj =
         "pallas"``): under "pallas" the VJP then computes it too, and its backward kernel writes what the projection's
@@ -278,7 +279,7 @@ class CausalSelfAttention(nnx.Module):
     @property
     def gemms(self) -> int:
         """How many GEMMs read the attention's input: the one c_attn GEMM on CPUs, q, k and v's three on GPUs (one
-        op, jaxgpt.qkv's, under Policy.qkv = "pallas")."""
+        op, jaxgpt.kernels.qkv's, under Policy.qkv = "pallas")."""
         return 1 if ops.platform() == "cpu" or self._qkv_kernels else 3
 
     @property
@@ -296,7 +297,7 @@ class CausalSelfAttention(nnx.Module):
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
         """``x``: the input, or one copy of it per GEMM that reads it (:attr:`gemms`; LayerNorm.branch's copies)."""
         attn_key, resid_key = _split(dropout_key, 2)
-        if self._qkv_kernels and cache is None:  # bias + bf16 in the GEMMs, one GEMM for dx (jaxgpt.qkv)
+        if self._qkv_kernels and cache is None:  # bias + bf16 in the GEMMs, one GEMM for dx (jaxgpt.kernels.qkv)
             p, c = self.policy, self.c_attn
             qkv = qkv_gemms.projections(x[0] if isinstance(x, (list, tuple)) else x, c.kernel[...],
                                         None if c.bias is None else c.bias[...], 3, dtype=p.dtype,
@@ -351,7 +352,7 @@ class MLP(nnx.Module):
                 h = jax.checkpoint(_bias_gelu)(y, fc.bias[...])
         elif fc.policy.gelu in GELU_IN_GEMMS:  # GELU in the GEMMs' epilogues (the same values; bf16h: a bf16 h kept)
             return dropout(self._gelu_in_gemms(x), self.dropout, dropout_key)
-        elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.gelu)
+        elif fc.policy.gelu == "pallas":  # the same values; GELU's backward one Pallas kernel on GPUs (jaxgpt.kernels.gelu)
             p = fc.policy
             h = gelu.fc_gelu(x, fc.kernel[...], None if fc.bias is None else fc.bias[...], dtype=p.dtype,
                              precision=p.lax_precision, out_dtype=p.out_dtype)
@@ -362,7 +363,7 @@ class MLP(nnx.Module):
         return dropout(self.c_proj(h), self.dropout, dropout_key)
 
     def _gelu_in_gemms(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
-        """c_proj(gelu(c_fc(x))) as jaxgpt.gelu_gemm computes it (Policy.gelu = "pallas-gemm"; "pallas-recompute": h
+        """c_proj(gelu(c_fc(x))) as jaxgpt.kernels.mlp computes it (Policy.gelu = "pallas-gemm"; "pallas-recompute": h
         not kept, recomputed in the backward; "pallas-gemm-bf16h": h kept in bf16); c_proj's bias added here, as Linear
         adds it (or in the VJP, under Policy.c_proj = "pallas")."""
         fc, proj, p = self.c_fc, self.c_proj, self.c_fc.policy
@@ -458,7 +459,7 @@ class GPT(nnx.Module):
         """The tied lm_head: h @ wte^T, fp32, over the real vocabulary only (padded columns dropped). ``head``:
         wte already cast to the compute dtype (the decoder casts it once, not once per token)."""
         head = self.wte.embedding[...] if head is None else head
-        if self.policy.fp8_on("lm_head"):  # e4m3 operands (jaxgpt.fp8), fp32 accumulation, then logits_dtype
+        if self.policy.fp8_on("lm_head"):  # e4m3 operands (jaxgpt.kernels.fp8), fp32 accumulation, then logits_dtype
             logits = self.policy.matmul(h, head.T, gemm="lm_head")
             return self.policy.round_logits(logits)[..., : self.config.vocab_size]
         return self.policy.round_logits(self.policy.einsum("btc,vc->btv", h, head))[..., : self.config.vocab_size]

@@ -9,7 +9,7 @@ Rules (the same in jaxgpt and, through ``torch.autocast``, in torch_ref):
   the loss) runs in fp32.
 
 ``precision: fp8`` is bf16 with the forward GEMMs selected by ``Policy.fp8`` taking float8_e4m3fn operands
-(per-tensor current scaling, fp32 accumulation, bf16 straight-through backward: :mod:`jaxgpt.fp8`).
+(per-tensor current scaling, fp32 accumulation, bf16 straight-through backward: :mod:`jaxgpt.kernels.fp8`).
 
 So "bf16" here means: matmul *operands* in bf16 with fp32 accumulation. On CPU that is the only bf16 that
 pays off (bf16 -> bf16 dots are slower than fp32 in XLA:CPU); on GPU it is what tensor cores do anyway.
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxgpt import fp8 as f8
+from jaxgpt.kernels import fp8 as f8
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
 
@@ -35,7 +35,7 @@ DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
 Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
 GELU = ("plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # Policy.gelu's values
-GELU_IN_GEMMS = ("pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # jaxgpt.gelu_gemm's MLP
+GELU_IN_GEMMS = ("pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # jaxgpt.kernels.mlp's MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +47,17 @@ class Policy:
     attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
-    # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
+    # LayerNorm's backward (jaxgpt.kernels.layer_norm): "plain" (autodiff of the expression) or "fused" (the forward's row
     # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass) or "pallas" (the
     # LayerNorms as (x, ln(x)) branches (ln_f's without x) whose backward is one Pallas Triton kernel that also adds
     # the residual stream's gradient, writing d(scale), d(bias) partial sums, and whose forward is one too, writing
     # ln(x) in the compute dtype; on CPUs fused's passes, so it trains as fused)
     layer_norm: Literal["plain", "fused", "pallas"] = "plain"
-    # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
+    # the MLP's c_fc GEMM + bias + GELU (jaxgpt.kernels.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
     # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
     # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
     # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm"
-    # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's
+    # (jaxgpt.kernels.mlp): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's
     # input-gradient GEMM applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16
     # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas. "pallas-recompute": as
     # pallas-gemm, but the forward does not keep h (fp32, 805 MB per layer at gpt2 b64): c_proj's input-gradient
@@ -67,18 +67,18 @@ class Policy:
     # the gradient, the bf16 policies' bounds (parity_tests/tolerances.py); half of h's memory and traffic (403 MB
     # less per layer at gpt2 b64). Needs bf16 compute (precision: bf16 where auto picks fp32, as on AVX2-only CPUs)
     gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"
-    # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
+    # the attention's q, k and v projections (jaxgpt.kernels.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
     # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
     # bias and writes the bf16 that attention takes, and one GEMM for their input gradient that also sums the bias
     # gradient: the same values but for the order of fp32 sums; GPUs with bf16 compute, the plain path elsewhere).
     # Needs gemm_output float32 and no fp8 on the attention's GEMMs
     qkv: Literal["plain", "pallas"] = "plain"
-    # the fused loss's logits GEMM (jaxgpt.fused_loss.logits_lse): "plain" (on GPUs XLA's GEMM, then a pass reads each
+    # the fused loss's logits GEMM (jaxgpt.kernels.loss.logits_lse): "plain" (on GPUs XLA's GEMM, then a pass reads each
     # chunk's logits for their row max and sum of exp) or "pallas" (a Pallas Triton GEMM that writes the bf16 logits
     # and each tile's row max and sum of exp: no such pass; the same numbers but for the order of the sum). Needs
     # logits_dtype bfloat16 and no fp8 lm_head; bf16 compute on GPUs, the plain path elsewhere
     lm_head: Literal["plain", "pallas"] = "plain"
-    # the attention's c_proj (jaxgpt.norm.layer_norm_branch's proj): "plain" (its output is added to the residual
+    # the attention's c_proj (jaxgpt.kernels.layer_norm.layer_norm_branch's proj): "plain" (its output is added to the residual
     # stream by ln_2's kernel; on GPUs an XLA pass reads that sum's fp32 gradient back to round it to bf16 for c_proj's
     # backward GEMMs and to sum it for its bias gradient) or "pallas" (ln_2's backward kernel writes the rounded copy
     # and the sum's partials itself; under gelu pallas-gemm (-recompute, -bf16h) the MLP's input-gradient GEMM does the
@@ -90,12 +90,12 @@ class Policy:
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
     # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
     gemm_output: Literal["float32", "bfloat16"] = "float32"
-    # the dtype the lm_head's logits are written in (jaxgpt.fused_loss: logits_dtype); the loss and its gradient
+    # the dtype the lm_head's logits are written in (jaxgpt.kernels.loss: logits_dtype); the loss and its gradient
     # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float()),
     # named by bf16_autocast and an opt-in of the others (TrainConfig.logits_dtype; its loss bound:
     # parity_tests/tolerances.py, bf16 logits). With fp32 compute the fp32 GEMM result is rounded to bf16
     logits_dtype: Literal["float32", "bfloat16"] = "float32"
-    # which forward GEMMs take e4m3 operands (jaxgpt.fp8: per-tensor current scaling, fp32 accumulation, backward
+    # which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8: per-tensor current scaling, fp32 accumulation, backward
     # in compute_dtype): "none", "lm_head", "mlp", "mlp+lm_head" or "all" (+ the attention projections)
     fp8: f8.Gemms = "none"
 
@@ -177,7 +177,7 @@ class Policy:
     @classmethod
     def fp8_policy(cls, gemms: str = f8.DEFAULT_GEMMS, **kw) -> "Policy":
         """``precision: fp8``: the bf16 policy with the forward GEMMs named by ``gemms`` (see :attr:`fp8`) in e4m3
-        (jaxgpt.fp8)."""
+        (jaxgpt.kernels.fp8)."""
         return cls(compute_dtype="bfloat16", fp8=gemms, **kw)
 
     @classmethod
@@ -264,7 +264,7 @@ class Policy:
                ) -> Float[Array, "... d_out"]:
         """``x @ w`` under the policy (what every Linear layer calls; ``gemm``: its kind for :attr:`fp8`), its result
         in :attr:`out_dtype`."""
-        if self.fp8_on(gemm):  # e4m3 operands, fp32 result, a compute_dtype backward (jaxgpt.fp8)
+        if self.fp8_on(gemm):  # e4m3 operands, fp32 result, a compute_dtype backward (jaxgpt.kernels.fp8)
             return f8.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision, out_dtype=self.out_dtype)

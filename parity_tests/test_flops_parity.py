@@ -303,7 +303,8 @@ def test_fused_cross_entropy_chunks(monkeypatch):
     fewer than one per chunk; none here: mini has 256 tokens, Vp = 50304, and a budget of 200 rows makes 2
     chunks of 128 rows), over the real vocabulary only; the default attention skips most of the masked upper
     triangle; and XLA's cost_analysis counts a while-loop body once, so it *under*-counts the loss."""
-    from jaxgpt import fused_loss, ops
+    from jaxgpt import ops
+    from jaxgpt.kernels import loss as fused_loss
 
     name = "mini-padded"
     cfg, batch, seq = CONFIGS[name]

@@ -1,4 +1,4 @@
-"""fp8 forward GEMMs (``precision: fp8``): jaxgpt.fp8 against its torch_ref twin (torch_ref.fp8), and against bf16.
+"""fp8 forward GEMMs (``precision: fp8``): jaxgpt.kernels.fp8 against its torch_ref twin (torch_ref.fp8), and against bf16.
 
 * The quantization itself: the same e4m3 bits and the same power-of-two scales from both frameworks, bit for bit.
 * jaxgpt-fp8 against torch_ref-fp8 with everything else in fp32 (matmul precision "highest"), every forward GEMM
@@ -26,7 +26,7 @@ from flax import nnx
 
 import torch_ref.load
 from conftest import PEAKED_WTE_SCALE, jax_logits_and_loss, on_device, random_tokens
-from jaxgpt import fp8 as jfp8
+from jaxgpt.kernels import fp8 as jfp8
 from jaxgpt.step import platform_compiler_options
 from jaxgpt.optim import OptimConfig, make_optimizer
 from jaxgpt.precision import Policy
@@ -76,7 +76,7 @@ def test_quantization_is_the_same_bits_and_scales(dtype, device):
 
 
 def test_fp8_gemm_is_exact_e4m3_products_with_fp32_accumulation():
-    """jaxgpt.fp8.matmul = (q_x s_x) @ (q_w s_w) in float64 up to fp32 accumulation, for bf16 and fp32 compute."""
+    """jaxgpt.kernels.fp8.matmul = (q_x s_x) @ (q_w s_w) in float64 up to fp32 accumulation, for bf16 and fp32 compute."""
     rng = np.random.default_rng(1)
     x, w = rng.normal(0, 1, (32, 256)).astype(np.float32), rng.normal(0, 0.02, (256, 48)).astype(np.float32)
     for dtype in (jnp.float32, jnp.bfloat16):

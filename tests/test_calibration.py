@@ -163,9 +163,9 @@ def test_hlo_errors_are_one_line_exit_2(args, message):
 ])
 def test_the_committed_out_of_sample_programs_are_what_jaxgpt_compiles(path, sets, micro_batch, monkeypatch):
     """The 2026-11-26 program: since then the default GPU loss puts a barrier behind its logits GEMM
-    (``jaxgpt.fused_loss.LOGITS_BARRIER``; issue 32), which moves the padded-vocabulary mask out of the GEMM;
+    (``jaxgpt.kernels.loss.LOGITS_BARRIER``; issue 32), which moves the padded-vocabulary mask out of the GEMM;
     switched off here, the committed programs must come out kernel for kernel."""
-    from jaxgpt import fused_loss
+    from jaxgpt.kernels import loss as fused_loss
     from jaxgpt.compile import targets
 
     monkeypatch.setattr(fused_loss, "LOGITS_BARRIER", False)

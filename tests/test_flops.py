@@ -161,11 +161,11 @@ def test_fp8_kinds_never_include_attention_matmuls_or_backward():
 
 
 def test_fp8_gemm_sets_mirror_jaxgpt_fp8_and_the_model():
-    """flops stays jax-free, so it mirrors jaxgpt.fp8's GEMM classes; they must agree, and each Linear layer's
+    """flops stays jax-free, so it mirrors jaxgpt.kernels.fp8's GEMM classes; they must agree, and each Linear layer's
     ``gemm`` kind must be the class its FLOP kind is counted in."""
     from flax import nnx
 
-    from jaxgpt import fp8
+    from jaxgpt.kernels import fp8
     from jaxgpt.model import GPT
     from jaxgpt.precision import Policy
 

@@ -246,7 +246,7 @@ def test_the_summariser_sorts_a_gpu_trace_into_categories():
 
 
 def test_a_pallas_gemm_is_profiled_as_a_matmul():
-    """jaxgpt.gemm's kernels (GELU or the bias add in a GEMM's epilogue) are GEMMs in the profile's table, in the
+    """jaxgpt.kernels.gemm's kernels (GELU or the bias add in a GEMM's epilogue) are GEMMs in the profile's table, in the
     direction their scope says; another Pallas kernel is not."""
     from benchmarks.gpu.hlo_trace import Instr
 

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import fused_loss, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss
 from jaxgpt.model import reference_attention
 from jaxgpt.precision import Policy
 

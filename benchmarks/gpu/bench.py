@@ -117,7 +117,7 @@ def flops(preset: str, batch: int, seq: int, micro_steps: int = 1) -> tuple[int,
 
 
 def e4m3_flops(variant: str, preset: str, batch: int, seq: int, micro_steps: int = 1) -> int:
-    """Training FLOPs per step a variant runs in e4m3 GEMMs: the forward GEMMs jaxgpt.fp8 selects under a ``precision:
+    """Training FLOPs per step a variant runs in e4m3 GEMMs: the forward GEMMs jaxgpt.kernels.fp8 selects under a ``precision:
     fp8`` variant (benchmarks.gpu.worker.GPU_VARIANTS; fp8_gemms all, its default), 0 for every other variant."""
     from benchmarks.gpu.worker import GPU_VARIANTS
     from jaxgpt.config import GPTConfig

@@ -137,7 +137,7 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
 
     device = jax.devices()[0]
     if spec.get("ce_chunk_elements"):  # the A/B of the fused loss's chunk size (read when the step is traced)
-        from jaxgpt import fused_loss
+        from jaxgpt.kernels import loss as fused_loss
 
         fused_loss.CE_CHUNK_ELEMENTS_GPU = int(spec["ce_chunk_elements"])  # what the GPU program's chunks read
     policy = Policy.named(precision, **spec.get("policy", {}))

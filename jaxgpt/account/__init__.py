@@ -11,7 +11,7 @@ tables; ``--json`` prints one JSON object instead. The same numbers are availabl
 :func:`count_params`, :func:`estimate_memory`, :func:`account`, :func:`peak_flops`, :func:`mfu`,
 :func:`mixed_peak`, :func:`measure_cpu_peak`, :func:`dtype_table`.
 
-``--precision fp8 [--fp8-gemms lm_head|mlp|mlp+lm_head|all]`` (jaxgpt.fp8; default all): the forward GEMMs it
+``--precision fp8 [--fp8-gemms lm_head|mlp|mlp+lm_head|all]`` (jaxgpt.kernels.fp8; default all): the forward GEMMs it
 selects run with e4m3 operands, priced at the device's dense fp8 peak (H100 SXM / H200 1,978.9, H100 PCIe 1,513
 TFLOP/s; the A100 has no fp8 tensor cores: its bf16 peak, said so); the rest of the model FLOPs (their backward,
 attention's QK^T and PV, the GEMMs not selected) at the bf16 peak. The ideal step is the sum of the two classes' times

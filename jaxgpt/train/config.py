@@ -29,13 +29,13 @@ class TrainConfig:
     dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
     # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
     precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp8"] = "auto"
-    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.fp8); None: jaxgpt.fp8.DEFAULT_GEMMS
+    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8); None: jaxgpt.kernels.fp8.DEFAULT_GEMMS
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
-    layer_norm: Literal["plain", "fused", "pallas"] = "plain"  # Policy.layer_norm (jaxgpt.norm): fused = two-pass
+    layer_norm: Literal["plain", "fused", "pallas"] = "plain"  # Policy.layer_norm (jaxgpt.kernels.layer_norm): fused = two-pass
     # backward; pallas = one Pallas kernel that also adds the residual stream's gradient (GPUs; fused on CPUs)
     gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"  # Policy.gelu:
-    # pallas = jaxgpt.gelu's one-kernel GELU backward; pallas-gemm = jaxgpt.gelu_gemm: GELU in the c_fc and c_proj
+    # pallas = jaxgpt.kernels.gelu's one-kernel GELU backward; pallas-gemm = jaxgpt.kernels.mlp: GELU in the c_fc and c_proj
     # GEMMs' epilogues (GPUs; plain's values); pallas-recompute = pallas-gemm without keeping h (c_proj's
     # input-gradient kernel recomputes it: 805 MB less per layer at gpt2 b64); pallas-gemm-bf16h = pallas-gemm keeping
     # h in bf16 (403 MB less per layer; gelu'(h) from the rounded h, as torch autocast's: precision bf16 only)

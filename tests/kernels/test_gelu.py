@@ -1,4 +1,4 @@
-"""jaxgpt.gelu (Policy.gelu = "pallas"): the one-kernel GELU backward in Pallas' interpreter against the XLA
+"""jaxgpt.kernels.gelu (Policy.gelu = "pallas"): the one-kernel GELU backward in Pallas' interpreter against the XLA
 expression, the c_fc + GELU custom VJP against autodiff of the plain MLP path, a tiny GPT under the policy, the
 policy field, and the compiled tiny H100 step holding the Pallas Triton kernel.
 
@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gelu, ops
+from jaxgpt import ops
+from jaxgpt.kernels import gelu
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests.tiny_training import tiny_adamw_losses
@@ -151,7 +152,7 @@ def test_custom_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
 
 
 def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
-    """tests.tiny_training's AdamW losses with jaxgpt.gelu's backward forced to ``backward``."""
+    """tests.tiny_training's AdamW losses with jaxgpt.kernels.gelu's backward forced to ``backward``."""
     monkeypatch.setattr(gelu, "_resolve", lambda b: backward)
     return tiny_adamw_losses(policy, steps)
 

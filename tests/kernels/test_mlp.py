@@ -1,4 +1,4 @@
-"""jaxgpt.gelu_gemm (Policy.gelu = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
+"""jaxgpt.kernels.mlp (Policy.gelu = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
 against the fp64 truth and XLA's expression, the MLP's custom VJP against autodiff of the plain MLP, a tiny GPT under
 the policy, the policy field, and the compiled tiny H100 step holding the kernels, read as GEMMs.
 
@@ -8,7 +8,7 @@ value as XLA's but for that order. The forward's h adds the bias (one more round
 + |b|). gelu(h) in fp32 is within 16 u |h| (1 + |a|) of its exact value at that h (a = K (h + C3 h^3); the tanh form's
 roundings, each against the magnitude it rounds) and moves by at most 1.13 |dh| (GELU's slope is below 1.13), and
 bf16 rounds it once more: one bf16 ulp of the larger of two such values. The backward's dh = dg * gelu'(h) takes
-tests/test_gelu_kernel.py's fp32 bound 16 u S (with the GEMM's dg for g) plus |gelu'(h)| times dg's sum-order bound,
+tests/kernels/test_gelu.py's fp32 bound 16 u S (with the GEMM's dg for g) plus |gelu'(h)| times dg's sum-order bound,
 and one bf16 ulp; the bias gradient sums R rows as there.
 """
 
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gelu, gelu_gemm, gemm, ops
+from jaxgpt import ops
+from jaxgpt.kernels import gelu, mlp as gelu_gemm, gemm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma, _truth
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma, _truth
 from tests.tiny_training import tiny_adamw_losses
 
 BF16 = jnp.bfloat16
@@ -74,7 +75,7 @@ def test_forward_kernel_against_the_truth_and_xla(m, k, n, block):
                          ids=["tiles", "ragged", "default-blocks"])
 def test_backward_kernel_against_the_truth_and_xla(m, k, n, block):
     """dh = (g @ w^T) gelu'(h), bf16, within one bf16 ulp plus the derived bound of the XLA path's (c_proj's dx GEMM,
-    then jaxgpt.gelu's expression); the bias gradient (the partial sums' sum) within the fp32 bound of the truth."""
+    then jaxgpt.kernels.gelu's expression); the bias gradient (the partial sums' sum) within the fp32 bound of the truth."""
     r = np.random.default_rng(1)
     g, w = _bf16(r.standard_normal((m, k))), _bf16(r.standard_normal((n, k)) / np.sqrt(k))
     h = jnp.asarray(3.0 * r.standard_normal((m, n)), jnp.float32)
@@ -364,7 +365,7 @@ def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
     the GEMMs: h to bf16 moves it by at most u |h| (u = 2^-8, round to nearest), gelu'(h) by |gelu''(xi)| u |h| for
     some xi between the two, at most u max_x |x gelu''(x)| / (1 - u) <= 0.34 u (max |x gelu''(x)| = 0.3309, at
     |x| = 0.662, for the tanh form), so dh = g gelu'(h) by 0.34 u |g|, plus one bf16 ulp of dh either side (a rounding
-    boundary between them) and two fp32 evaluations of gelu' (16 u_32 S each, tests/test_gelu_kernel.py). On XLA's
+    boundary between them) and two fp32 evaluations of gelu' (16 u_32 S each, tests/kernels/test_gelu.py). On XLA's
     path the gradients are also the plain expressions' on the rounded h, bit for bit."""
     (x, wf, bf, wp, ct), keep = _mlp_run(impl, fold, jnp.float32)
     _, half = _mlp_run(impl, fold, BF16)

@@ -1,4 +1,4 @@
-"""jaxgpt.gemm and jaxgpt.qkv (Policy.qkv = "pallas"): the GEMM with a bias + bf16 epilogue and the GEMM summing
+"""jaxgpt.kernels.gemm and jaxgpt.kernels.qkv (Policy.qkv = "pallas"): the GEMM with a bias + bf16 epilogue and the GEMM summing
 several lhs blocks, in Pallas' interpreter against the fp64 truth and XLA's expression; the q, k, v projections' custom
 VJP against autodiff of the plain path; a tiny GPT under the policy; the policy field; the compiled tiny H100 step
 holding the kernels, read as GEMMs.
@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gemm, ops, qkv
+from jaxgpt import ops
+from jaxgpt.kernels import gemm, qkv
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_gemm import BF16, SMALL, _f64, _fwd_inputs
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
+from tests.kernels.test_mlp import BF16, SMALL, _f64, _fwd_inputs
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma
 from tests.tiny_training import tiny_adamw_losses
 
 
@@ -158,7 +159,7 @@ def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias, batch):
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
     """A tiny GPT under Policy(qkv='pallas'), bf16: on the CPU (where the kernels do not apply) its 3 AdamW losses are
-    the plain policy's bit for bit; with the GPU's path forced here (jaxgpt.qkv's op, its kernels interpreted: q, k
+    the plain policy's bit for bit; with the GPU's path forced here (jaxgpt.kernels.qkv's op, its kernels interpreted: q, k
     and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's does on GPUs)
     within 1e-4 relative."""
     plain = tiny_adamw_losses(Policy.bf16(), 3)

@@ -1,7 +1,7 @@
 """``logits_dtype: bfloat16`` as a user's opt-in (TrainConfig.logits_dtype -> Policy.logits_dtype): how it is reached
 and refused, and what it does to a small GPT's losses and gradients against the same GPT with fp32 logits (same
 weights, same batch), held to the bounds derived in parity_tests/tolerances.py (bf16 logits). The fused loss itself
-against the plain expression: tests/test_loss_logits.py; 20 AdamW steps against torch autocast's noise:
+against the plain expression: tests/kernels/test_loss_logits.py; 20 AdamW steps against torch autocast's noise:
 parity_tests/test_train_parity.py.
 """
 
@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import fused_loss, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss
 from jaxgpt.config import ConfigError, GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.precision import Policy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "parity_tests"))
 from tolerances import (LOSS_FP32_REL, bf16_logits_grad_bounds, bf16_logits_loss_bounds,  # noqa: E402
                         cross_entropy_shift)
 

@@ -11,8 +11,8 @@ moves, around those GEMMs:
 * backward: each projection's input-gradient GEMM writes its fp32 dx (201 MB), and the LayerNorm kernel reads the
   three (one copy of ln(x) per GEMM, so each gradient is an array of its own; XLA's add of three was a pass).
 
-Here :func:`jaxgpt.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of W_attn
-in place), and the backward's input gradient is one GEMM over the three gradients (:func:`jaxgpt.gemm.gemm_sum_nt`:
+Here :func:`jaxgpt.kernels.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of W_attn
+in place), and the backward's input gradient is one GEMM over the three gradients (:func:`jaxgpt.kernels.gemm.gemm_sum_nt`:
 ``[dq dk dv] @ W_attn^T`` without the concatenation, one fp32 accumulation over the 2,304 columns, as the CPU's
 single c_attn GEMM does), so LayerNorm hands this op one ln(x) and reads one gradient; the same kernel sums the
 bias gradient's columns from the bf16 gradients it reads anyway (XLA read each again: 36 passes of 101 MB at b64).
@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxgpt import gemm, ops
-from jaxgpt.gemm import Impl
+from jaxgpt import ops
+from jaxgpt.kernels import gemm
+from jaxgpt.kernels.gemm import Impl
 
 
 def applies(dtype) -> bool:

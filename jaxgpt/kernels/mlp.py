@@ -3,7 +3,7 @@
 The same function as :class:`jaxgpt.model.MLP`'s plain path, ``gelu(x @ W_fc + b_fc) @ W_proj`` (bf16 operands,
 fp32 accumulation, GPT-2's tanh GELU in fp32, its output rounded to bf16 as c_proj's operand); c_proj's bias is
 added by the caller, as :class:`jaxgpt.model.Linear` adds it. What changes is where GELU runs. Under
-``gelu: pallas`` (:mod:`jaxgpt.gelu`) each layer of the gpt2 b64 step still moves, around the GEMMs:
+``gelu: pallas`` (:mod:`jaxgpt.kernels.gelu`) each layer of the gpt2 b64 step still moves, around the GEMMs:
 
 * forward: the c_fc GEMM writes ``h`` (fp32, [65536, 3072]: 805 MB); an XLA fusion reads it back and writes
   ``gelu(h)`` in bf16 (403 MB) for c_proj: 1.2 GB;
@@ -15,7 +15,7 @@ Here the c_fc GEMM adds the bias and applies GELU to its fp32 accumulator before
 input-gradient GEMM multiplies its fp32 accumulator by ``gelu'(h)`` (:func:`proj_gemm_gelu_backward`: reads ``h``,
 writes the bf16 ``dh`` and the bias gradient's partial sums): ``g`` is never written, and ``h`` is read once per
 pass instead of twice. Each GEMM's accumulator is the fp32 value the XLA GEMM writes (a sum in another order),
-and the epilogues compute what :mod:`jaxgpt.gelu` computes from it, so the numbers are the default policy's.
+and the epilogues compute what :mod:`jaxgpt.kernels.gelu` computes from it, so the numbers are the default policy's.
 
 :func:`mlp` owns both GEMMs' backward (the cotangent of an fp32 ``h`` must be fp32, so no narrower custom VJP can
 hand the GEMMs a bf16 ``dh`` without a round trip). ``dx``, ``dW_fc`` and ``dW_proj`` are XLA GEMMs laid out as
@@ -40,7 +40,7 @@ widens it as it reads it, so gelu'(h) comes from the rounded h, as in torch_ref 
 h in bf16): 403 MB less written, read and held per layer at gpt2 b64 (the bf16 policies' parity bounds:
 parity_tests/tolerances.py).
 
-The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.gemm`'s.
+The GEMMs' tile loop, blocks and padding are :mod:`jaxgpt.kernels.gemm`'s.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxgpt import gelu, gemm, ops
-from jaxgpt.gemm import GemmKernelError, Impl
+from jaxgpt import ops
+from jaxgpt.kernels import gelu, gemm
+from jaxgpt.kernels.gemm import GemmKernelError, Impl
 
 SCOPE = gelu.SCOPE  # the profile's and jaxgpt.compile's category: GELU's
 FIX = ("the kernels take bf16 operands (and an fp32 h, or a bf16 one: gelu: pallas-gemm-bf16h): mlp(impl='xla' or "
@@ -203,7 +204,7 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
 
 
 def _resolve(impl: Impl, dtype) -> Impl:
-    """The kernels on GPUs with bf16 operands, XLA elsewhere (:func:`jaxgpt.gemm.resolve`; tests replace it)."""
+    """The kernels on GPUs with bf16 operands, XLA elsewhere (:func:`jaxgpt.kernels.gemm.resolve`; tests replace it)."""
     return gemm.resolve(impl, dtype)
 
 

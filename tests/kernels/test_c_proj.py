@@ -1,5 +1,5 @@
 """Policy.c_proj = "pallas": the c_proj output gradients' bf16 rounding and bias-gradient sums written by the kernels
-that make those gradients (jaxgpt.norm's LayerNorm backward for the attention's c_proj, jaxgpt.gelu_gemm's input-
+that make those gradients (jaxgpt.kernels.layer_norm's LayerNorm backward for the attention's c_proj, jaxgpt.kernels.mlp's input-
 gradient GEMM for the MLP's), not by an XLA pass that reads the fp32 gradient back.
 
 What is checked: each kernel's new results against the values it already wrote (the rounding bit for bit, the
@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gelu_gemm, norm, ops
+from jaxgpt import ops
+from jaxgpt.kernels import mlp as gelu_gemm, layer_norm as norm
 from jaxgpt.config import ConfigError
-from jaxgpt.gemm import GemmKernelError
+from jaxgpt.kernels.gemm import GemmKernelError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_norm import EPS, _gamma
+from tests.kernels.test_layer_norm import EPS, _gamma
 from tests.tiny_training import tiny_adamw_losses
 
 U = 2.0 ** -24
@@ -99,7 +100,7 @@ def test_mlp_gradient_gemm_rounds_and_sums_an_fp32_output_gradient():
     """proj_gemm_gelu_backward with an fp32 g (interpreted), on shapes the tiles do not divide (zero-padded): dh and
     its column sums bit for bit as with g rounded to bf16 first; g rounded to bf16 bit for bit; g's column sums (one
     row per row block) within the bound."""
-    from tests.test_gelu_gemm import SMALL
+    from tests.kernels.test_mlp import SMALL
 
     r = np.random.default_rng(3)
     m, k, n = 100, 48, 200
@@ -120,7 +121,7 @@ def test_mlp_gradient_gemm_rounds_and_sums_an_fp32_output_gradient():
 def test_mlp_with_the_bias_folded_in_is_the_mlp_plus_the_bias(impl):
     """gelu_gemm.mlp(b_proj=b, fold=True) against mlp(...) + b, values and gradients: bit for bit but c_proj's bias
     gradient (XLA's path: bit for bit too), which lies within the bound of the sum of the output gradient."""
-    from tests.test_gelu_gemm import mlp_inputs
+    from tests.kernels.test_mlp import mlp_inputs
 
     x, wf, bf, wp, bp, ct = mlp_inputs(seed=4)
 
@@ -192,7 +193,7 @@ def test_tiny_gpt_trains_as_without_it(monkeypatch):
     change: the attention's in ln_2's kernel, the MLP's in its GEMM): with c_proj: pallas its 3 AdamW losses are
     those without it, on XLA's path (the CPU's) to 1e-6 relative (only the bias gradients' sums change order) and
     with the kernels interpreted to 1e-6 relative of the interpreted kernels without it (which
-    tests/test_norm_kernel.py and tests/test_gelu_gemm.py hold to the plain policy's)."""
+    tests/kernels/test_layer_norm_kernel.py and tests/kernels/test_mlp.py hold to the plain policy's)."""
     base = Policy.bf16(layer_norm="pallas", gelu="pallas-gemm")
     with_it = Policy.bf16(layer_norm="pallas", gelu="pallas-gemm", c_proj="pallas")
     without = _losses(base, "xla", monkeypatch)
@@ -256,7 +257,7 @@ def test_tiny_h100_step_writes_the_rounded_gradients_in_the_kernels():
     gelu_bwd = [k for k in ks if k.name.endswith(" epilogue") and "gemm_nt_gelu_backward" in k.op_name]
     gelu_bwd0 = [k for k in kp if k.name.endswith(" epilogue") and "gemm_nt_gelu_backward" in k.op_name]
     assert len(gelu_bwd) == len(gelu_bwd0) == layers
-    from jaxgpt import gemm
+    from jaxgpt.kernels import gemm
 
     bm, _, bk = gemm.blocks(rows, 4 * embed, embed)  # the GEMM's tiles: g's partial sums, one row per row tile
     assert all(a.bytes == b.bytes + rows * embed * (2 + 2) + -(-rows // bm) * -(-embed // bk) * bk * 4

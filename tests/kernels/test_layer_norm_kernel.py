@@ -1,10 +1,10 @@
-"""jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
+"""jaxgpt.kernels.layer_norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
 the forward kernel that adds the branch and writes ln(x) in the GEMMs' dtype (in Pallas' interpreter) against the
 fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP against autodiff of the plain
 expression (its bf16 output's gradients fp32), a tiny GPT under the policy, the policy field, and the compiled tiny
 H100 step holding both kernels once per block LayerNorm (ln_1's backward summing q, k and v's input gradients).
 
-Bounds (derived, not fitted; u = 2^-24, fp32), as tests/test_norm.py derives them: LayerNorm's dx lies within
+Bounds (derived, not fitted; u = 2^-24, fp32), as tests/kernels/test_layer_norm.py derives them: LayerNorm's dx lies within
 gamma_{C+8} S_dx of the fp64 truth (C the width), d(scale) and d(bias) within gamma_{R+8} of their sums of absolute
 terms (R rows; Higham's bound holds for a sum in any order, so also for the kernel's per-block partial sums summed
 afterwards). The kernel's output dres + dx adds one rounding of at most u |dres + dx|, so it lies within
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import norm
+from jaxgpt.kernels import layer_norm as norm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
-from tests.test_norm import EPS, _check, _gamma, _inputs, _truth
+from tests.kernels.test_layer_norm import EPS, _check, _gamma, _inputs, _truth
 from tests.tiny_training import tiny_adamw_losses
 
 U = 2.0 ** -24
@@ -62,7 +62,7 @@ def test_kernel_matches_the_truth_and_the_two_pass_backward(rows, dim):
 def test_forward_kernel_matches_the_truth(rows, dim, with_add, dtype):
     """layer_norm_forward (interpreted) on ragged rows and a width that is not a power of two: x + add is the fp32
     sum bit for bit; mean within gamma_C of the sum of |x| / C, rstd within gamma_{C+8} r of the truth (relative; r:
-    tests.test_norm._truth's factor of the variance's error); y within gamma_{C+8} S_y of the fp64 truth in fp32,
+    tests.kernels.test_layer_norm._truth's factor of the variance's error); y within gamma_{C+8} S_y of the fp64 truth in fp32,
     and in bf16 one more rounding: 2^-8 of |y| plus that bound."""
     x, add, _, scale, bias = _kernel_inputs(rows, dim, seed=3)
     xj, sj, bj = (jnp.asarray(a, jnp.float32) for a in (x, scale, bias))
@@ -280,7 +280,7 @@ def test_a_branch_without_its_residual_is_the_branch_with_a_zero_residual_gradie
 
 
 def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
-    """tests.tiny_training's AdamW losses with jaxgpt.norm's backward forced to ``backward``."""
+    """tests.tiny_training's AdamW losses with jaxgpt.kernels.layer_norm's backward forced to ``backward``."""
     monkeypatch.setattr(norm, "_resolve", lambda b: backward)
     return tiny_adamw_losses(policy, steps)
 

@@ -1,4 +1,4 @@
-"""jaxgpt.fused_loss.logits_lse (Policy.lm_head = "pallas"): the bf16 logits GEMM that also writes each tile's row max
+"""jaxgpt.kernels.loss.logits_lse (Policy.lm_head = "pallas"): the bf16 logits GEMM that also writes each tile's row max
 and sum of exp, in Pallas' interpreter against XLA's GEMM and reduction; the fused loss through the GPU path with it
 against the same loss without it; the policy field; the compiled tiny H100 step holding the kernel.
 
@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import fused_loss, gemm, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss, gemm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
-from tests.test_loss_logits import _gpus
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma
+from tests.kernels.test_loss_logits import _gpus
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

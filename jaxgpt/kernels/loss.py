@@ -6,9 +6,9 @@ fp32 logits are never materialised whole, and never twice.
 loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
 memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
 logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
-operands (:mod:`jaxgpt.fp8`); ``lm_head="pallas"`` (``Policy.lm_head``) runs the bf16 logits GEMM as a Pallas
+operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``Policy.lm_head``) runs the bf16 logits GEMM as a Pallas
 GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the logits for
-them. ``tests/test_ops.py``, ``tests/test_loss_logits.py`` and ``tests/test_loss_kernel.py`` check it against the
+them. ``tests/test_ops.py``, ``tests/kernels/test_loss_logits.py`` and ``tests/kernels/test_loss_kernel.py`` check it against the
 plain expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
 """
 
@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fp8 as f8
-from jaxgpt import gemm, ops
+from jaxgpt.kernels import fp8 as f8
+from jaxgpt import ops
+from jaxgpt.kernels import gemm
 from jaxgpt.config import ConfigError
 
 CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
@@ -109,7 +110,7 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
         raise gemm.GemmKernelError(f"logits_lse: h {tuple(h.shape)} and w {tuple(w.shape)} must share the embedding "
                                    f"width and be multiples of the ({bm}, {bn}, {bk}) blocks; {fix}")
     # row tiles first (the GPU launches the first axis fastest): a chunk's rows (4,096 x 768 in bf16: 6.3 MB) stay in
-    # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.gemm.grid's order
+    # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.kernels.gemm.grid's order
     raw, tile_m, tile_s = pl.pallas_call(
         partial(_logits_lse_kernel, bk=bk, bn=bn, vocab_size=vocab_size),
         out_shape=(jax.ShapeDtypeStruct((m_rows, n), bf16),
@@ -224,9 +225,9 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
 
 def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
     """(extra scan inputs, operands(h_i, *extra_i), the logits' scale) of the logits GEMM. Without ``fp8``: ((),
-    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales
+    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.kernels.fp8): h and the head rounded to e4m3 with per-tensor scales
     of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales (a
-    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.fp8)."""
+    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.kernels.fp8)."""
     if not fp8:
         return (), lambda h_i: (h_i, w_c), None
     hq, h_scale = f8.quantize(h.astype(dtype))
@@ -237,7 +238,7 @@ def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
 
 def _head_precision(precision, fp8: bool):
     """The logits GEMM's precision: HIGHEST for e4m3 operands (fp32 accumulation: no cuBLASLt fp8 fast
-    accumulation, see jaxgpt.fp8.e4m3_dot), the policy's otherwise."""
+    accumulation, see jaxgpt.kernels.fp8.e4m3_dot), the policy's otherwise."""
     return lax.Precision.HIGHEST if fp8 else precision
 
 
@@ -362,7 +363,7 @@ def lm_head_cross_entropy(
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
     columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
-    GEMM with e4m3 operands (jaxgpt.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
+    GEMM with e4m3 operands (jaxgpt.kernels.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
     writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
     from the rounded logits; :func:`_head_logits`). ``lm_head``: "pallas" computes the row max and sum of exp in
     the logits GEMM's epilogue on GPUs (:func:`logits_lse`; bf16 logits), "plain" in a pass of their own."""

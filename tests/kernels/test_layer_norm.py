@@ -1,4 +1,4 @@
-"""jaxgpt.norm's LayerNorm (Policy.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
+"""jaxgpt.kernels.layer_norm's LayerNorm (Policy.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
 gradients, in fp32, with bf16 inputs and in fp64, and its refusals.
 
 Bounds (derived, not fitted): each result is a sum of products computed in the inputs' precision u (fp32: 2^-24,
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import norm
+from jaxgpt.kernels import layer_norm as norm
 from jaxgpt.config import ConfigError, GPTConfig
 from jaxgpt.model import GPT, LayerNorm
 from jaxgpt.precision import Policy
