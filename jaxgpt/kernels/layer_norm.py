@@ -475,3 +475,41 @@ def _check_proj(x, add, proj) -> None:
         raise LayerNormKernelError(f"layer_norm_branch: proj's y {shapes[0]}, w {shapes[1]} and b "
                                    f"{None if b is None else tuple(b.shape)} do not make x's {tuple(x.shape)}: want "
                                    f"(rows, d_in), (d_in, {x.shape[1]}), ({x.shape[1]},)")
+
+
+def _reference(x: Float[Array, "rows embed"], scale, bias, eps: float) -> Float[Array, "rows embed"]:
+    """GPT-2's LayerNorm: statistics over the last axis, biased variance (as torch.nn.LayerNorm), eps in the rsqrt."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * scale
+    return y + bias if bias is not None else y
+
+
+def add_layer_norm(hidden: Float[Array, "batch seq embed"], residual: Float[Array, "batch seq embed"] | None,
+                   scale: Float[Array, " embed"], bias: Float[Array, " embed"] | None, *, eps: float, impl: str,
+                   copies: int = 1, dtype=jnp.float32, keep_residual: bool = True
+                   ) -> tuple[Float[Array, "batch seq embed"], ...]:
+    """The residual add and the LayerNorm after it: ``x = residual + hidden`` (``hidden`` alone where ``residual`` is
+    None: the embeddings), then ``(x, ln(x), ..., ln(x))`` with ``copies`` copies of ln(x), one per GEMM that reads
+    it (without x where ``keep_residual`` is False: ln_f). ``impl`` (``Policy.kernels.layer_norm``): "xla" (the
+    reference: XLA's add, the expression, autodiff), "fused" (:func:`layer_norm`'s two-pass backward), "pallas"
+    (:func:`layer_norm_branch`: the add inside one custom VJP, whose forward and backward are one Pallas kernel each
+    on GPUs and fused's passes elsewhere; ln(x) written in ``dtype``, the GEMMs' operand dtype)."""
+    lead, width = hidden.shape[:-1], hidden.shape[-1]
+    rows = (-1, width)
+    x, add = (hidden, None) if residual is None else (residual, hidden)
+    if impl == "pallas" and x.dtype == jnp.float32:
+        if add is not None and add.dtype != jnp.float32:  # a bf16 branch (autocast's c_proj without a bias): XLA adds
+            x, add = x + add, None  # it: x + a promotes, and autodiff rounds a's gradient its own way
+        with jax.named_scope(SCOPE):
+            outs = layer_norm_branch(x.reshape(rows), scale, bias, eps=eps, copies=copies, dtype=dtype,
+                                     add=None if add is None else add.reshape(rows), residual=keep_residual)
+            return tuple(o.reshape(*lead, width) for o in outs)
+    x = x if add is None else x + add
+    with jax.named_scope(SCOPE):  # named scopes label the profile's fusions (benchmarks.gpu.profile)
+        # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
+        # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
+        xr = x.reshape(rows).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
+        y = layer_norm(xr, scale, bias, eps=eps) if impl in ("fused", "pallas") else _reference(xr, scale, bias, eps)
+        y = y.reshape(*lead, width)
+    return ((x,) if keep_residual else ()) + (y,) * copies

@@ -409,3 +409,23 @@ def token_cross_entropy(
 
     losses, greedy = lax.map(chunk, (hc, tc, *e4m3_xs))
     return losses.reshape(-1)[:M].reshape(B, T), greedy.reshape(-1)[:M].reshape(B, T)
+
+
+def cross_entropy(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]) -> Float[Array, ""]:
+    """The reference: mean of -log softmax(logits)[target], computed in fp32."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # fp32 (fp64 stays)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - target_logit)
+
+
+def apply(h: Float[Array, "batch seq embed"], w: Float[Array, "vocab_rows embed"], targets: Int[Array, "batch seq"],
+          logits, *, vocab_size: int, policy, impl: str) -> Float[Array, ""]:
+    """The tied lm_head and the mean cross-entropy under ``policy`` with ``impl`` (``Policy.kernels.loss``): with
+    ``fast_kernels`` :func:`lm_head_cross_entropy` (the same value, the fp32 logits never materialised whole; "pallas":
+    the row max and sum of exp in the logits GEMM's epilogue on GPUs), else ``cross_entropy(logits(h), targets)``."""
+    if not policy.fast_kernels:
+        return cross_entropy(logits(h), targets)
+    return lm_head_cross_entropy(h, w, targets, vocab_size=vocab_size, dtype=policy.dtype,
+                                 logits_dtype=policy.logits_dtype, precision=policy.lax_precision,
+                                 fp8=policy.fp8_on("lm_head"), lm_head="pallas" if impl == "pallas" else "plain")

@@ -317,3 +317,34 @@ def mlp(x: Float[Array, "... d_in"], w_fc: Float[Array, "d_in d_ff"], b_fc: Floa
     m = _mlp(x.reshape(-1, x.shape[-1]), w_fc, b_fc, w_proj, b_proj, jnp.dtype(dtype), precision,
              jnp.dtype(out_dtype), impl, bool(fold), bool(recompute), jnp.dtype(h_dtype))
     return m.reshape(*lead, w_proj.shape[-1])
+
+
+def _bias_gelu(y: Float[Array, "... d"], bias: Float[Array, " d"]) -> Float[Array, "... d"]:
+    """GPT-2's tanh GELU of ``y + bias`` (fp32: a bf16 ``y`` is promoted by the fp32 bias, as in torch_ref)."""
+    return jax.nn.gelu(y + bias, approximate=True)
+
+
+def apply(x: Float[Array, "batch seq embed"], w_fc: Float[Array, "embed d_ff"], b_fc: Float[Array, " d_ff"] | None,
+          w_proj: Float[Array, "d_ff embed"], b_proj: Float[Array, " embed"] | None, *, policy, impl: str
+          ) -> Float[Array, "batch seq embed"]:
+    """``c_proj(gelu(c_fc(x)))`` under ``policy`` with ``impl`` (``Policy.kernels.mlp``). The reference ("xla"):
+    the GEMMs as every Linear runs them (:meth:`jaxgpt.precision.Policy.matmul`), GPT-2's tanh GELU in fp32 between;
+    with a bf16 GEMM output or an fp8 c_fc (a cuBLASLt call on GPUs that fuses nothing after it) the backward keeps
+    the GEMM's output and recomputes bias + GELU from it (the same values; XLA kept the fp32 tanh as well, 805 MB per
+    layer at gpt2 b64); with ``gelu_h_dtype`` bfloat16, :func:`mlp`'s XLA path. "pallas-gemm", "pallas-recompute":
+    :func:`mlp` (its kernels on GPUs with bf16 operands, its XLA path elsewhere)."""
+    h_dtype = jnp.dtype(policy.gelu_h_dtype)
+    if impl in ("pallas-gemm", "pallas-recompute") or h_dtype == jnp.bfloat16:
+        y = mlp(x, w_fc, b_fc, w_proj, dtype=policy.dtype, precision=policy.lax_precision, out_dtype=policy.out_dtype,
+                impl="xla" if impl == "xla" else "auto", recompute=impl == "pallas-recompute", h_dtype=h_dtype)
+        return y if b_proj is None else y + b_proj
+    y = policy.matmul(x, w_fc, gemm="mlp")  # fp32 accumulation
+    if (policy.gemm_output != "float32" or policy.fp8_on("mlp")) and b_fc is not None:
+        with jax.named_scope(SCOPE):
+            h = jax.checkpoint(_bias_gelu)(y, b_fc)
+    else:
+        h = y if b_fc is None else y + b_fc
+        with jax.named_scope(SCOPE):
+            h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
+    y = policy.matmul(h, w_proj, gemm="mlp")
+    return y if b_proj is None else y + b_proj

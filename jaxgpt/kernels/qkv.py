@@ -90,3 +90,29 @@ def projections(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], b: F
     lead = x.shape[:-1]
     ys = _projections(x.reshape(-1, x.shape[-1]), w, b, n, jnp.dtype(dtype), precision, impl)
     return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)
+
+
+def gemms(impl: str, dtype) -> int:
+    """How many GEMMs read the attention's input under ``impl`` (``Policy.kernels.qkv``): the one c_attn GEMM on
+    CPUs, one op (:func:`projections`) under "pallas" where its kernels run, q, k and v's three elsewhere; the
+    LayerNorm before hands one copy of its output to each, so that its backward sums their gradients itself."""
+    return 1 if ops.platform() == "cpu" or (impl == "pallas" and applies(dtype)) else 3
+
+
+def project(x: list[Float[Array, "batch seq embed"]], w: Float[Array, "embed 3embed"], b: Float[Array, " 3embed"] | None,
+            *, policy, impl: str, decoding: bool = False) -> list[Float[Array, "batch seq embed"]]:
+    """q, k and v: the three column blocks of ``x @ w + b`` (``x``: one copy of the input per GEMM, :func:`gemms`).
+    "xla": on CPUs c_attn's one GEMM split in three (split's backward is one concatenate of dq, dk, dv, an unpack's
+    three zero-padded copies of the whole gradient: 150 ms of a 6 s gpt2 124M step on 2 cores); elsewhere one GEMM
+    per column block, so q, k and v come out dense as cuDNN takes them (splitting one output was 36 copy kernels
+    forward and 24 concatenates backward in the compiled H100 step). "pallas": :func:`projections` (not while
+    ``decoding``, whose steps take the per-block GEMMs)."""
+    if impl == "pallas" and applies(policy.dtype) and not decoding:
+        return list(projections(x[0], w, b, 3, dtype=policy.dtype, precision=policy.lax_precision))
+    bias = lambda y, bi: y if bi is None else y + bi  # noqa: E731
+    if len(x) == 1 and ops.platform() == "cpu":
+        return jnp.split(bias(policy.matmul(x[0], w, gemm="attn"), b), 3, axis=-1)
+    xs = x if len(x) == 3 else x * 3
+    bs = [None] * 3 if b is None else jnp.split(b, 3)
+    return [bias(policy.matmul(xi, wi, gemm="attn"), bi) for xi, wi, bi in zip(xs, jnp.split(w, 3, axis=-1), bs,
+                                                                                  strict=True)]
