@@ -94,7 +94,8 @@ class LayerNorm(nnx.Module):
     ``ln(x)`` as one op of the kernel layer (jaxgpt.kernels.layer_norm.add_layer_norm), one copy of ln(x) per GEMM
     that reads it (``copies``)."""
 
-    def __init__(self, dim: int, *, bias: bool, eps: float, policy: Policy):
+    def __init__(self, dim: int, *, bias: bool, eps: float, policy: Policy | None = None):
+        policy = policy or Policy()
         self.scale = nnx.Param(jnp.ones((dim,), policy.param_dtype))
         self.bias = nnx.Param(jnp.zeros((dim,), policy.param_dtype)) if bias else None
         self.eps = eps

@@ -93,6 +93,9 @@ class Policy:
                               "params, fast_kernels=False)")
         object.__setattr__(self, "_impls", registry.resolve(self.kernels.preset, self.kernels.overrides(), self))
 
+    def __str__(self) -> str:  # the fields, then what each op runs (the benchmarks record it)
+        return f"{self!r}: " + ", ".join(f"{op}={name}" for op, name in self._impls.items())
+
     def kernel(self, op: str) -> str:
         """The implementation ``op`` runs under this policy (:mod:`jaxgpt.kernels.registry`)."""
         return self._impls[op]

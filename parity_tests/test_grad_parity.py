@@ -80,7 +80,7 @@ def test_fp32_gradients_agree(name, attention, device, hf_checkpoint, parity_rep
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):
-        g_jax = jax_grads(directory, x, y, Policy.fp32(attention=attention))
+        g_jax = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": attention}))
     g_ref = torch_grads(torch_from_hf(directory), x, y, device)
     g_hf = torch_grads(copy.deepcopy(hf), x, y, device, prefix="transformer.")
     assert set(g_jax) == set(g_ref) == set(g_hf), "every parameter has a gradient in all three"
@@ -100,7 +100,7 @@ def test_tied_embedding_gradient_is_lookup_plus_head(device, hf_checkpoint, pari
     directory, hf = hf_checkpoint("tiny")
     x, y = batch("tiny")
     with on_device(device):
-        g_jax = jax_grads(directory, x, y, Policy.fp32(attention="xla"))["wte.weight"]
+        g_jax = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": "xla"}))["wte.weight"]
     untied = copy.deepcopy(hf).to(device)
     untied.config.tie_word_embeddings = False
     untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
@@ -124,8 +124,8 @@ def test_bf16_gradients_close_to_fp32(name, gelu, device, hf_checkpoint, parity_
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):
-        g32 = jax_grads(directory, x, y, Policy.fp32(attention="xla"))
-        g16 = jax_grads(directory, x, y, Policy.bf16(gelu=gelu))
+        g32 = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": "xla"}))
+        g16 = jax_grads(directory, x, y, Policy.bf16(kernels={"mlp": gelu}))
     t16 = torch_grads(torch_from_hf(directory), x, y, device, bf16=True)
     measured = {}
     for who, g in (("jaxgpt", g16), ("torch_autocast", t16)):

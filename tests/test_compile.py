@@ -80,7 +80,7 @@ def test_hlo_reader_counts_a_cpu_programs_gemm_flops_as_jaxgpt_flops():
     from jaxgpt.model import GPT
 
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96)
-    model = GPT(cfg, policy=Policy.fp32(fast_kernels=False, attention="reference"), rngs=nnx.Rngs(0))
+    model = GPT(cfg, policy=Policy.fp32(fast_kernels=False, kernels={"attention": "reference"}), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     idx = jnp.zeros((2, 16), jnp.int32)
     fwd = jax.jit(lambda p, i: nnx.merge(graphdef, p)(i))

@@ -211,7 +211,7 @@ def test_fp8_split_equals_the_dots_of_the_train_step(gemms):
     from jaxgpt.precision import Policy
 
     cfg, B, T = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=96), 2, 64
-    policy = Policy.fp8_policy(gemms, attention="xla")
+    policy = Policy.fp8_policy(gemms, kernels={"attention": "xla"})
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GPT(cfg, policy=policy, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)

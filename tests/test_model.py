@@ -394,7 +394,7 @@ def test_layer_norm_matches_torch_with_gpt2_eps():
 
     ln = LayerNorm(C, bias=True, eps=TINY.layer_norm_epsilon)
     ln.scale[...], ln.bias[...] = jnp.asarray(scale), jnp.asarray(bias)
-    ours = np.asarray(ln(jnp.asarray(x)))
+    ours = np.asarray(ln(jnp.asarray(x))[1])  # (x, ln(x))
 
     tln = torch.nn.LayerNorm(C, eps=1e-5)
     with torch.no_grad():
@@ -412,6 +412,6 @@ def test_layer_norm_matches_torch_with_gpt2_eps():
 
     no_bias = LayerNorm(C, bias=False, eps=1e-5)
     assert no_bias.bias is None
-    np.testing.assert_allclose(np.asarray(no_bias(jnp.asarray(x))),
+    np.testing.assert_allclose(np.asarray(no_bias(jnp.asarray(x), keep_residual=False)[0]),
                                torch.nn.functional.layer_norm(torch.from_numpy(x), (C,), eps=1e-5).numpy(),
                                atol=2e-6, rtol=0)

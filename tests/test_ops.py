@@ -194,7 +194,7 @@ def test_default_attention_per_backend():
     assert Policy.bf16().attention_impl() == ("einsum" if on_cpu else "cudnn" if on_gpu else "xla")
     assert Policy.fp32().attention_impl() == ("einsum" if on_cpu else "xla")
     assert Policy.fp32(fast_kernels=False).attention_impl() == "xla"
-    assert Policy.bf16(attention="xla").attention_impl() == "xla"
+    assert Policy.bf16(kernels={"attention": "xla"}).attention_impl() == "xla"
 
 
 def test_auto_follows_the_default_device(monkeypatch):

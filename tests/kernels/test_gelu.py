@@ -158,13 +158,13 @@ def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[f
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32: 128-wide MLPs of 32 rows) under Policy(gelu='pallas'), bf16 compute, with the
+    """A tiny GPT (2 layers, n_embd 32: 128-wide MLPs of 32 rows) under Policy(kernels={"mlp": 'pallas'}), bf16 compute, with the
     GELU backward the GPU's (the kernel, interpreted: dh within a bf16 ulp of the plain one), takes 4 AdamW steps to
     the plain policy's losses within 1e-4 relative, and the losses fall. (The CPU's own backward under the policy is
     the plain expression: test_custom_vjp_against_autodiff_of_the_plain_mlp has its gradients bit for bit.)"""
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
-    np.testing.assert_allclose(_train(Policy.bf16(gelu="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
+    np.testing.assert_allclose(_train(Policy.bf16(kernels={"mlp": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
 
 
 def test_policy_field_and_train_config():
@@ -173,17 +173,17 @@ def test_policy_field_and_train_config():
 
     assert Policy().gelu == "plain" and TrainConfig.load(None, {}).gelu == "plain"  # the default is unchanged
     cfg = TrainConfig.load(None, {"gelu": "pallas", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas"})
     with pytest.raises(ConfigError, match="Policy.gelu = 'triton'.*'plain', 'pallas'"):
-        Policy(gelu="triton")
+        Policy(kernels={"mlp": "triton"})
     with pytest.raises(ConfigError, match="gelu"):
         TrainConfig.load(None, {"gelu": "fast"})
     for kw in ({"gemm_output": "bfloat16"}, {"fp8": "mlp"}, {"fast_kernels": False}):
         with pytest.raises(ConfigError, match="Policy.gelu = 'pallas' replaces.*gelu: plain"):
-            Policy(compute_dtype="bfloat16", gelu="pallas", **kw)
+            Policy(compute_dtype="bfloat16", **kw, kernels={"mlp": "pallas"})
     with pytest.raises(ConfigError, match="gemm_output 'bfloat16'"):
         resolve_policy(TrainConfig.load(None, {"gelu": "pallas", "precision": "bf16-autocast"}), "gpu")
-    assert Policy.fp8_policy("lm_head", gelu="pallas").gelu == "pallas"  # the MLP's GEMMs stay bf16 there
+    assert Policy.fp8_policy("lm_head", kernels={"mlp": "pallas"}).gelu == "pallas"  # the MLP's GEMMs stay bf16 there
 
 
 def test_tiny_h100_step_runs_the_pallas_kernel_once_per_layer_and_micro_step():

@@ -158,16 +158,16 @@ def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias, batch):
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT under Policy(qkv='pallas'), bf16: on the CPU (where the kernels do not apply) its 3 AdamW losses are
+    """A tiny GPT under Policy(kernels={"qkv": 'pallas'}), bf16: on the CPU (where the kernels do not apply) its 3 AdamW losses are
     the plain policy's bit for bit; with the GPU's path forced here (jaxgpt.kernels.qkv's op, its kernels interpreted: q, k
     and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's does on GPUs)
     within 1e-4 relative."""
     plain = tiny_adamw_losses(Policy.bf16(), 3)
     assert plain[-1] < plain[0] - 0.05, plain
-    assert tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3) == plain
+    assert tiny_adamw_losses(Policy.bf16(kernels={"qkv": "pallas"}), 3) == plain
     monkeypatch.setattr(qkv, "applies", lambda dtype: True)
     monkeypatch.setattr(qkv, "projections", functools.partial(qkv.projections, impl="interpret"))
-    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3), plain, rtol=1e-4)
+    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(kernels={"qkv": "pallas"}), 3), plain, rtol=1e-4)
 
 
 def test_policy_field_and_train_config():
@@ -176,15 +176,15 @@ def test_policy_field_and_train_config():
 
     assert Policy().qkv == "plain" and TrainConfig.load(None, {}).qkv == "plain"  # the default is unchanged
     cfg = TrainConfig.load(None, {"qkv": "pallas", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(qkv="pallas")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"qkv": "pallas"})
     with pytest.raises(ConfigError, match="Policy.qkv = 'triton'.*'plain', 'pallas'"):
-        Policy(qkv="triton")
+        Policy(kernels={"qkv": "triton"})
     with pytest.raises(ConfigError, match="qkv"):
         TrainConfig.load(None, {"qkv": "fast"})
     for kw in ({"gemm_output": "bfloat16"}, {"fp8": "all"}, {"attention": "einsum"}):
         with pytest.raises(ConfigError, match="Policy.qkv = 'pallas' rounds.*qkv: plain"):
-            Policy(compute_dtype="bfloat16", qkv="pallas", **kw)
-    assert Policy.fp8_policy("mlp+lm_head", qkv="pallas").qkv == "pallas"  # the attention's GEMMs stay bf16 there
+            Policy(compute_dtype="bfloat16", **kw, kernels={"qkv": "pallas"})
+    assert Policy.fp8_policy("mlp+lm_head", kernels={"qkv": "pallas"}).qkv == "pallas"  # the attention's GEMMs stay bf16 there
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts():

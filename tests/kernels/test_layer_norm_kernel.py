@@ -286,22 +286,22 @@ def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[f
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32) under Policy(layer_norm='pallas'), bf16 compute, with the GPU's backward (the
+    """A tiny GPT (2 layers, n_embd 32) under Policy(kernels={"layer_norm": 'pallas'}), bf16 compute, with the GPU's backward (the
     kernel, interpreted: LayerNorm gradients within fp32 rounding of the plain ones) takes 4 AdamW steps to the plain
     policy's losses within 1e-4 relative (fp32 rounding differences, amplified by a few bf16 GEMM roundings and
     AdamW's normalisation), and the losses fall; with the CPU's backward it trains exactly as layer_norm: fused."""
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
-    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
-    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
-        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+    np.testing.assert_allclose(_train(Policy.bf16(kernels={"layer_norm": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(kernels={"layer_norm": "pallas"}), "xla", monkeypatch) == _train(
+        Policy.bf16(kernels={"layer_norm": "fused"}), "xla", monkeypatch)
 
 
 @pytest.mark.parametrize("name, policy, bias", [
-    ("bf16 + gelu: pallas", lambda ln: Policy.bf16(layer_norm=ln, gelu="pallas"), True),
-    ("bf16-autocast", lambda ln: Policy.bf16_autocast(layer_norm=ln), True),
-    ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(layer_norm=ln), False),
-    ("fp8", lambda ln: Policy.fp8_policy(layer_norm=ln), True)], ids=lambda v: v if isinstance(v, str) else "")
+    ("bf16 + gelu: pallas", lambda ln: Policy.bf16(kernels={"layer_norm": ln, "mlp": "pallas"}), True),
+    ("bf16-autocast", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), True),
+    ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), False),
+    ("fp8", lambda ln: Policy.fp8_policy(kernels={"layer_norm": ln}), True)], ids=lambda v: v if isinstance(v, str) else "")
 def test_pallas_trains_as_fused_under_the_other_opt_in_policies(name, policy, bias, monkeypatch):
     """On CPUs layer_norm: pallas is fused's passes: under the other policies its branch (adding the attention's
     output itself, or leaving a bf16 one to XLA's add) takes 4 AdamW steps to fused's losses bit for bit."""
@@ -319,9 +319,9 @@ def test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_lo
     monkeypatch.setattr(CausalSelfAttention, "gemms", property(lambda self: 3))
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
-    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
-    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
-        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+    np.testing.assert_allclose(_train(Policy.bf16(kernels={"layer_norm": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(kernels={"layer_norm": "pallas"}), "xla", monkeypatch) == _train(
+        Policy.bf16(kernels={"layer_norm": "fused"}), "xla", monkeypatch)
 
 
 def test_policy_field_and_train_config():
@@ -329,10 +329,9 @@ def test_policy_field_and_train_config():
     from jaxgpt.train.config import TrainConfig
 
     assert Policy().layer_norm == "plain" and TrainConfig.load(None, {}).layer_norm == "plain"
-    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(
-        layer_norm="pallas")
+    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
     with pytest.raises(ConfigError, match="Policy.layer_norm = 'triton'.*'plain', 'fused', 'pallas'"):
-        Policy(layer_norm="triton")
+        Policy(kernels={"layer_norm": "triton"})
     with pytest.raises(ConfigError, match="layer_norm"):
         TrainConfig.load(None, {"layer_norm": "fast"})
 

@@ -146,14 +146,14 @@ def test_policy_field_and_train_config():
 
     assert Policy().lm_head == "plain" and TrainConfig.load(None, {}).lm_head == "plain"
     cfg = TrainConfig.load(None, {"lm_head": "pallas", "logits_dtype": "bfloat16", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(lm_head="pallas", logits_dtype="bfloat16")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(logits_dtype="bfloat16", kernels={"loss": "pallas"})
     with pytest.raises(ConfigError, match="Policy.lm_head = 'triton'.*'plain', 'pallas'"):
-        Policy(lm_head="triton")
+        Policy(kernels={"loss": "triton"})
     with pytest.raises(ConfigError, match="lm_head = 'pallas' writes.*logits_dtype: bfloat16"):
         resolve_policy(TrainConfig.load(None, {"lm_head": "pallas"}), "gpu")
     with pytest.raises(ConfigError, match="fp8 'lm_head'"):
-        Policy.fp8_policy("lm_head", lm_head="pallas", logits_dtype="bfloat16")
-    assert Policy.bf16_autocast(lm_head="pallas").lm_head == "pallas"  # autocast's logits are bf16
+        Policy.fp8_policy("lm_head", logits_dtype="bfloat16", kernels={"loss": "pallas"})
+    assert Policy.bf16_autocast(kernels={"loss": "pallas"}).lm_head == "pallas"  # autocast's logits are bf16
 
 
 def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduction_pass():

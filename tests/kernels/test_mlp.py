@@ -186,13 +186,13 @@ def test_mlp_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32) under Policy(gelu='pallas-gemm'), bf16: with the CPU's own path (XLA) its 3
+    """A tiny GPT (2 layers, n_embd 32) under Policy(kernels={"mlp": 'pallas-gemm'}), bf16: with the CPU's own path (XLA) its 3
     AdamW losses are the plain policy's bit for bit; with the GPU's kernels (interpreted) within 1e-4 relative."""
     plain = tiny_adamw_losses(Policy.bf16(), 3)
     assert plain[-1] < plain[0] - 0.05, plain
-    assert tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3) == plain
+    assert tiny_adamw_losses(Policy.bf16(kernels={"mlp": "pallas-gemm"}), 3) == plain
     monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
-    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3), plain, rtol=1e-4)
+    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(kernels={"mlp": "pallas-gemm"}), 3), plain, rtol=1e-4)
 
 
 def test_policy_field_and_train_config():
@@ -200,13 +200,13 @@ def test_policy_field_and_train_config():
     from jaxgpt.train.config import TrainConfig
 
     cfg = TrainConfig.load(None, {"gelu": "pallas-gemm", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-gemm"})
     assert resolve_policy(cfg, "cpu").gelu == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
     with pytest.raises(ConfigError, match="'plain', 'pallas', 'pallas-gemm'"):
-        Policy(gelu="gemm")
+        Policy(kernels={"mlp": "gemm"})
     for kw in ({"gemm_output": "bfloat16"}, {"fp8": "mlp"}, {"fast_kernels": False}):
         with pytest.raises(ConfigError, match="Policy.gelu = 'pallas-gemm' replaces.*gelu: plain"):
-            Policy(compute_dtype="bfloat16", gelu="pallas-gemm", **kw)
+            Policy(compute_dtype="bfloat16", **kw, kernels={"mlp": "pallas-gemm"})
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate():
@@ -299,9 +299,9 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     from jaxgpt.train.config import TrainConfig
 
     cfg = TrainConfig.load(None, {"gelu": "pallas-recompute", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-recompute")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-recompute"})
     with pytest.raises(ConfigError, match="'pallas-gemm', 'pallas-recompute'"):
-        Policy(gelu="recompute")
+        Policy(kernels={"mlp": "recompute"})
     cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
     cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
@@ -408,11 +408,11 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
     from jaxgpt.train.config import TrainConfig
 
     cfg = TrainConfig.load(None, {"gelu": "pallas-gemm-bf16h", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm-bf16h")
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
     with pytest.raises(ConfigError, match="'pallas-gemm-bf16h' keeps h in bf16.*compute_dtype 'float32'.*pallas-gemm"):
-        Policy.fp32(gelu="pallas-gemm-bf16h")
+        Policy.fp32(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
     with pytest.raises(ConfigError, match="'pallas-recompute', 'pallas-gemm-bf16h'"):
-        Policy(gelu="bf16h")
+        Policy(kernels={"mlp": "bf16h"})
     cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm-bf16h",))
     cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
@@ -423,9 +423,9 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
         assert b32 - b16 == half_h * layers, name
     assert cg.memory()["temp"] - cs.memory()["temp"] >= half_h * layers
     plain = tiny_adamw_losses(Policy.bf16(), 3)
-    xla = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
+    xla = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
     monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
-    kernels = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
+    kernels = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
     assert xla[0] == plain[0] and xla != plain
     np.testing.assert_allclose(xla, plain, rtol=1e-3)
     np.testing.assert_allclose(kernels, xla, rtol=1e-4)
