@@ -33,7 +33,7 @@ from jaxgpt import ops
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # one program's output tile and its K step
 NUM_WARPS, NUM_STAGES = 8, 3
 Impl = Literal["auto", "kernel", "interpret", "xla"]
-QKV_FIX = "the kernels take bf16 operands and widths that are multiples of 16: use qkv: plain for other models"
+QKV_FIX = "the kernels take bf16 operands and widths that are multiples of 16: use kernels.qkv: xla for other models"
 
 
 class GemmKernelError(ValueError):

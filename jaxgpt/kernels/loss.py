@@ -6,7 +6,7 @@ fp32 logits are never materialised whole, and never twice.
 loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
 memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
 logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
-operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``Policy.lm_head``) runs the bf16 logits GEMM as a Pallas
+operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``kernels.loss = "pallas"``) runs the bf16 logits GEMM as a Pallas
 GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the logits for
 them. ``tests/test_ops.py``, ``tests/kernels/test_loss_logits.py`` and ``tests/kernels/test_loss_kernel.py`` check it against the
 plain expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
@@ -71,7 +71,7 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
 
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
-LmHead = Literal["plain", "pallas"]  # Policy.lm_head
+LmHead = Literal["plain", "pallas"]  # kernels.loss: xla (plain), pallas
 
 
 def _logits_lse_kernel(h_ref, w_ref, raw_ref, m_ref, s_ref, *, bk: int, bn: int, vocab_size: int):
@@ -100,7 +100,7 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
     from jax.experimental import pallas as pl
 
     bf16 = jnp.bfloat16
-    fix = "use lm_head: plain for these shapes or dtypes"
+    fix = "use kernels.loss: xla for these shapes or dtypes"
     gemm.check("logits_lse", {"h": (h, bf16, "(rows, embed)"), "w": (w, bf16, "(vocab_rows, embed)")}, fix)
     (m_rows, k), n = h.shape, w.shape[0]
     bm, bn, bk = gemm.blocks(m_rows, n, k, block)
@@ -136,10 +136,10 @@ def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int
     if vocab_rows % gemm.BLOCK_N:
         raise ConfigError(f"lm_head = 'pallas' takes the head's rows in blocks of {gemm.BLOCK_N}, got {vocab_rows} "
                           f"(the vocabulary unpadded): set model.padded_vocab_size to a multiple of {gemm.BLOCK_N} "
-                          "(GPT-2: 50304), or lm_head: plain")
+                          "(GPT-2: 50304), or kernels.loss: xla")
     if width % 16:
         raise ConfigError(f"lm_head = 'pallas' takes an embedding width that is a multiple of 16 (a Triton dot's K), "
-                          f"got n_embd {width}: use lm_head: plain")
+                          f"got n_embd {width}: use kernels.loss: xla")
     return _LSE_IMPL
 
 

@@ -1,4 +1,4 @@
-"""The attention's q, k and v projections as Pallas GEMMs (``Policy.qkv = "pallas"``): the bias add and the rounding
+"""The attention's q, k and v projections as Pallas GEMMs (``kernels.qkv = "pallas"``): the bias add and the rounding
 to bf16 that attention applies in the GEMMs' epilogues, and one GEMM for the input gradient.
 
 The same function as :class:`jaxgpt.model.CausalSelfAttention`'s projections on GPUs (``x @ W_attn + b`` as q, k

@@ -1,4 +1,4 @@
-"""jaxgpt.kernels.layer_norm's LayerNorm (Policy.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
+"""jaxgpt.kernels.layer_norm's LayerNorm (kernels.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
 gradients, in fp32, with bf16 inputs and in fp64, and its refusals.
 
 Bounds (derived, not fitted): each result is a sum of products computed in the inputs' precision u (fp32: 2^-24,
@@ -199,4 +199,4 @@ def test_train_config_selects_it():
     with pytest.raises(ConfigError, match="kernels.layer_norm = 'fast': valid choices are xla, fused, pallas"):
         TrainConfig.load(None, {"kernels.layer_norm": "fast"})
     with pytest.raises(ConfigError, match="layer_norm: replaced by kernels.*--kernels.layer_norm=NAME"):
-        TrainConfig.load(None, {"layer_norm": "fused"})  # the old flag: refused, naming the new one
+        TrainConfig.load(None, {"kernels.layer_norm": "fused"})  # the old flag: refused, naming the new one

@@ -328,12 +328,12 @@ def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert Policy().layer_norm == "plain" and TrainConfig.load(None, {}).layer_norm == "plain"
-    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
+    assert Policy().kernel("layer_norm") == "xla" and resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("layer_norm") == "xla"
+    assert resolve_policy(TrainConfig.load(None, {"kernels.layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
     with pytest.raises(ConfigError, match="Policy.layer_norm = 'triton'.*'plain', 'fused', 'pallas'"):
         Policy(kernels={"layer_norm": "triton"})
     with pytest.raises(ConfigError, match="layer_norm"):
-        TrainConfig.load(None, {"layer_norm": "fast"})
+        TrainConfig.load(None, {"kernels.layer_norm": "fast"})
 
 
 def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_micro_step():
@@ -347,8 +347,8 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
         pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
     from jaxgpt.compile import calibrated, hlo
 
-    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("layer_norm=pallas",))
-    assert cs.policy.layer_norm == "pallas"
+    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("kernels.layer_norm=pallas",))
+    assert cs.policy.kernel("layer_norm") == "pallas"
     ks, _ = hlo.kernels(cs.hlo_text())
     triton = [k for k in ks if k.opcode == "__gpu$xla.gpu.triton"]
     assert len(triton) == 4 * cs.cfg.model.n_layer + 2 and all(k.count == cs.micro_steps for k in triton), [

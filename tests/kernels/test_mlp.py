@@ -1,4 +1,4 @@
-"""jaxgpt.kernels.mlp (Policy.gelu = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
+"""jaxgpt.kernels.mlp (kernels.mlp = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
 against the fp64 truth and XLA's expression, the MLP's custom VJP against autodiff of the plain MLP, a tiny GPT under
 the policy, the policy field, and the compiled tiny H100 step holding the kernels, read as GEMMs.
 
@@ -98,7 +98,7 @@ def test_kernels_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gelu_gemm.fc_gemm_gelu(x[None], w, b, interpret=True)
-    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32.*gelu: plain"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32.*kernels.mlp: xla"):
         gelu_gemm.fc_gemm_gelu(x.astype(jnp.float32), w, b, interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(d_in, d_ff\)"):
         gelu_gemm.fc_gemm_gelu(x, w.T, b, interpret=True)
@@ -112,7 +112,7 @@ def test_kernels_refuse_what_they_cannot_take():
         gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 16)), interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match="impl = 'triton'"):
         gelu_gemm.mlp(x, w, b, w.T, impl="triton")
-    with pytest.raises(gelu_gemm.GemmKernelError, match="out_dtype bfloat16.*gelu: plain"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match="out_dtype bfloat16.*kernels.mlp: xla"):
         gelu_gemm.mlp(x, w, b, w.T, out_dtype=BF16)
 
 
@@ -199,14 +199,20 @@ def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm", "precision": "auto"})
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-gemm", "precision": "auto"})
     assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-gemm"})
-    assert resolve_policy(cfg, "cpu").gelu == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
-    with pytest.raises(ConfigError, match="'plain', 'pallas', 'pallas-gemm'"):
+    assert resolve_policy(cfg, "cpu").kernel("mlp") == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
+    assert resolve_policy(TrainConfig.load(None, {"kernels": "pallas"}), "gpu").kernel("mlp") == "pallas-gemm"
+    with pytest.raises(ConfigError, match="kernels.mlp = 'gemm': valid choices are xla, pallas-gemm, pallas-recompute"):
         Policy(kernels={"mlp": "gemm"})
-    for kw in ({"gemm_output": "bfloat16"}, {"fp8": "mlp"}, {"fast_kernels": False}):
-        with pytest.raises(ConfigError, match="Policy.gelu = 'pallas-gemm' replaces.*gelu: plain"):
+    with pytest.raises(ConfigError, match="gelu: replaced by kernels.*--kernels.mlp=NAME"):
+        TrainConfig.load(None, {"gelu": "pallas-gemm"})  # the old flag: refused, naming the new one
+    for kw, why in (({"gemm_output": "bfloat16"}, "gemm_output float32"), ({"fp8": "mlp"}, "no fp8 mlp GEMMs"),
+                    ({"fast_kernels": False}, "fast_kernels")):
+        with pytest.raises(ConfigError, match=f"kernels.mlp = 'pallas-gemm' needs {why}.*; valid choices with this precision are xla$"):
             Policy(compute_dtype="bfloat16", **kw, kernels={"mlp": "pallas-gemm"})
+        # the preset takes the reference where the numerics rule its kernels out
+        assert Policy(compute_dtype="bfloat16", **kw, kernels="pallas").kernel("mlp") == "xla"
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate():
@@ -215,7 +221,7 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
     plain program's GEMM it replaces (the step's GEMM FLOPs are the plain step's) plus its epilogue's extra bytes;
     the GEMM part is priced at the least efficient measured GEMM rate, the epilogue at the least efficient fusion
     rate; no XLA fusion is left in gelu's scope but the reduction of the bias gradient's partial sums."""
-    cs, ks, kp = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
     epilogues = [k for k in ks if k.name.endswith(" epilogue")]
     layers = cs.cfg.model.n_layer
@@ -238,7 +244,7 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
         calibrate.fit([], cs.hlo_text(), 0.1, "h100-sxm", {})
 
 
-# ---- gelu: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
+# ---- kernels.mlp: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
 def mlp_inputs(seed: int, rows: int = 168, d: int = 48, f: int = 96):
     """fp32 (x, w_fc, b_fc, w_proj, b_proj, output cotangent) of an MLP on 168 rows (two 128-row tiles, one ragged)."""
     r = np.random.default_rng(seed)
@@ -261,12 +267,11 @@ def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
     none, y2 = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block, keep_h=False)
     assert none is None
     np.testing.assert_array_equal(_f64(y2), _f64(y))
-    for gi in (g.astype(BF16), g):
-        want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h, interpret=True, block=block)
-        got = gelu_gemm.proj_gemm_gelu_backward(gi, w, None, fc=(x, w_fc, b), interpret=True, block=block)
-        assert len(got) == len(want) == (4 if gi.dtype == jnp.float32 else 2)
-        for u, v in zip(got, want, strict=True):
-            np.testing.assert_array_equal(_f64(u), _f64(v))
+    want = gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, h, interpret=True, block=block)
+    got = gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, None, fc=(x, w_fc, b), interpret=True, block=block)
+    assert len(got) == len(want) == 2
+    for u, v in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_f64(u), _f64(v))
     with pytest.raises(gelu_gemm.GemmKernelError, match="takes h or fc="):
         gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, h, fc=(x, w_fc, b), interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match="w_fc must be bfloat16"):
@@ -274,16 +279,14 @@ def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
-def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
+def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl):
     """gelu_gemm.mlp(recompute=True) against recompute=False, values and every gradient bit for bit, on XLA's path
-    and the kernels' (interpreted), with c_proj's bias folded in or not."""
+    and the kernels' (interpreted)."""
     x, wf, bf, wp, bp, ct = mlp_inputs(seed=7)
     outs = []
     for recompute in (False, True):
         def run(x, wf, bf, wp, bp, recompute=recompute):
-            return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold,
-                                 recompute=recompute)
+            return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, recompute=recompute) + bp
         y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
         outs.append((y, *vjp(ct)))
     for u, v in zip(*outs, strict=True):
@@ -291,19 +294,19 @@ def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
 
 
 def test_recompute_policy_and_its_h100_step_reads_two_gemms():
-    """gelu: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
+    """kernels.mlp: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
     gelu: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
     plus the c_fc GEMM's it recomputes), the forward kernel writes half as many bytes less (no fp32 h), the backward
     reads no h, and the step needs less memory by h's (rows, 4 x embed) fp32 per layer."""
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-recompute", "precision": "auto"})
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-recompute", "precision": "auto"})
     assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-recompute"})
-    with pytest.raises(ConfigError, match="'pallas-gemm', 'pallas-recompute'"):
+    with pytest.raises(ConfigError, match="kernels.mlp = 'recompute': valid choices are xla, pallas-gemm, pallas-recompute"):
         Policy(kernels={"mlp": "recompute"})
-    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
-    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-recompute",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
     two = [k for k in ks if "gemm2_ntnn_gelu_backward" in k.op_name and k.gemm]
     one = [k for k in kg if "gemm_nt_gelu_backward" in k.op_name and k.gemm]
@@ -322,12 +325,12 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     assert cg.memory()["temp"] - cs.memory()["temp"] >= h_bytes * layers
 
 
-# ---- gelu: pallas-gemm-bf16h: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
+# ---- gelu_h_dtype: bfloat16: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
 @pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
 def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
     """fc_gemm_gelu(h_dtype=bfloat16) writes the fp32 kernel's h rounded to bf16 and the same gelu(h) (computed from
     the fp32 h), bit for bit; proj_gemm_gelu_backward handed that bf16 h computes exactly what it computes from the
-    same values widened to fp32 (dh, its column sums, and with an fp32 g its rounding and sums), and not what it
+    same values widened to fp32 (dh and its column sums), and not what it
     computes from the unrounded h."""
     x, w_fc, b = _fwd_inputs(m, k, n, seed=8)
     h, y = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block)
@@ -338,7 +341,7 @@ def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
     r = np.random.default_rng(9)
     g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
     w = _bf16(r.standard_normal((n, k)) / np.sqrt(n))
-    for gi in (g.astype(BF16), g):
+    for gi in (g.astype(BF16),):
         got = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16, interpret=True, block=block)
         want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16.astype(jnp.float32), interpret=True, block=block)
         for u, v in zip(got, want, strict=True):
@@ -347,18 +350,17 @@ def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
         assert np.any(_f64(got[0]) != _f64(unrounded[0]))  # the rounding reaches dh
 
 
-def _mlp_run(impl, fold, h_dtype, seed=10):
+def _mlp_run(impl, h_dtype, seed=10):
     x, wf, bf, wp, bp, ct = mlp_inputs(seed=seed)
 
     def run(x, wf, bf, wp, bp):
-        return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold, h_dtype=h_dtype)
+        return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, h_dtype=h_dtype) + bp
     y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
     return (x, wf, bf, wp, ct), (y, *vjp(ct))
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
-def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
+def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl):
     """gelu_gemm.mlp(h_dtype=bfloat16) against the mlp that keeps the fp32 h, on XLA's path and the kernels'
     (interpreted): the value and c_proj's gradients (dW_proj, its bias) bit for bit (the forward is unchanged);
     dx, dW_fc and d(b_fc) differ (the rounding reaches them), by at most what rounding h moves dh by, carried through
@@ -367,8 +369,8 @@ def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
     |x| = 0.662, for the tanh form), so dh = g gelu'(h) by 0.34 u |g|, plus one bf16 ulp of dh either side (a rounding
     boundary between them) and two fp32 evaluations of gelu' (16 u_32 S each, tests/kernels/test_gelu.py). On XLA's
     path the gradients are also the plain expressions' on the rounded h, bit for bit."""
-    (x, wf, bf, wp, ct), keep = _mlp_run(impl, fold, jnp.float32)
-    _, half = _mlp_run(impl, fold, BF16)
+    (x, wf, bf, wp, ct), keep = _mlp_run(impl, jnp.float32)
+    _, half = _mlp_run(impl, BF16)
     names = ("y", "dx", "dW_fc", "d(b_fc)", "dW_proj", "d(b_proj)")
     for name in ("y", "dW_proj", "d(b_proj)"):
         i = names.index(name)
@@ -399,7 +401,7 @@ def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
 
 
 def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
-    """gelu: pallas-gemm-bf16h is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
+    """gelu_h_dtype: bfloat16 is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
     GPT under it starts from the plain bf16 policy's loss bit for bit (the forward is unchanged) and trains to within
     1e-3 of its losses, with the kernels (interpreted) as with XLA's path; the tiny step compiled for the H100 beside
     gelu: pallas-gemm: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
@@ -407,14 +409,24 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm-bf16h", "precision": "auto"})
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-gemm", "gelu_h_dtype": "bfloat16", "precision": "auto"})
     assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
-    with pytest.raises(ConfigError, match="'pallas-gemm-bf16h' keeps h in bf16.*compute_dtype 'float32'.*pallas-gemm"):
+    with pytest.raises(ConfigError, match="gelu_h_dtype = 'bfloat16' keeps h in bf16.*compute_dtype 'float32'.*"
+                                          "gelu_h_dtype: float32"):
         Policy.fp32(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
-    with pytest.raises(ConfigError, match="'pallas-recompute', 'pallas-gemm-bf16h'"):
+    with pytest.raises(ConfigError, match="kernels.mlp = 'bf16h': valid choices are xla, pallas-gemm, pallas-recompute"):
         Policy(kernels={"mlp": "bf16h"})
-    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm-bf16h",))
-    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    # the CPU's checks first (the compiled H100 step below needs JAX's CUDA plugin, and skips without it)
+    plain = tiny_adamw_losses(Policy.bf16(), 3)
+    xla = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
+    with monkeypatch.context() as m:
+        m.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
+        kernels = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
+    assert xla[0] == plain[0] and xla != plain
+    np.testing.assert_allclose(xla, plain, rtol=1e-3)
+    np.testing.assert_allclose(kernels, xla, rtol=1e-4)
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm", "gelu_h_dtype=bfloat16",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
     assert sorted(k.name for k in ks if k.gemm) == sorted(k.name for k in kg if k.gemm)
     half_h = rows * 4 * embed * 2
@@ -422,10 +434,3 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
         b16, b32 = (sum(k.bytes for k in kk if name in k.op_name) for kk in (ks, kg))
         assert b32 - b16 == half_h * layers, name
     assert cg.memory()["temp"] - cs.memory()["temp"] >= half_h * layers
-    plain = tiny_adamw_losses(Policy.bf16(), 3)
-    xla = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
-    monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
-    kernels = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
-    assert xla[0] == plain[0] and xla != plain
-    np.testing.assert_allclose(xla, plain, rtol=1e-3)
-    np.testing.assert_allclose(kernels, xla, rtol=1e-4)
