@@ -235,7 +235,7 @@ class GPT(nnx.Module):
         pos: Int[Array, ""] | int = 0,
         dropout_key: jax.Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
-        """Final hidden states (after ln_f), fp32 (under layer_norm: pallas on GPUs, ln_f's kernel writes them in the
+        """Final hidden states (after ln_f), fp32 (under kernels.layer_norm: pallas on GPUs, its kernel writes them in the
         GEMMs' dtype, bf16 where they compute in it, as every reader rounds them); with a cache, tokens sit at
         positions [pos, pos+T)."""
         check_tokens(idx, self.config)

@@ -197,7 +197,7 @@ def test_adamw_20_steps_bf16_within_torch_autocast_noise(device, precision, adam
     runs = adamw_fp32_runs(device)
     (j32, p_j32), (t32, p_t32), (t16, p_t16) = runs["jax"], runs["torch"], runs["torch_bf16"]
     named = {"bf16-logits": ("bf16", {"logits_dtype": "bfloat16"}),
-             "bf16-gelu-bf16h": ("bf16", {"gelu": "pallas-gemm-bf16h"})}.get(precision, (precision, {}))
+             "bf16-gelu-bf16h": ("bf16", {"kernels": {"mlp": "pallas-gemm"}, "gelu_h_dtype": "bfloat16"})}.get(precision, (precision, {}))
     policy = Policy.named(named[0], matmul_precision="highest", **named[1])
     j16, p_j16 = jax_adamw_run(policy, runs["data"], device)
     bound = bf16_train_loss_bound(t32, t16)

@@ -271,8 +271,9 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8
 FP8_FLIP_RATIO = 2 * math.sqrt(12 * 2.0 ** -11)
 # Training: once a flip moves one run's weights, later quantizations see different inputs, flips multiply and the two
 # fp8 runs decorrelate into two draws of e4m3 noise around the same trajectory; each is as far from the fp32 run as
-# the other, so |jaxgpt8 - torch8| <= |jaxgpt8 - fp32| + |torch8 - fp32| ~ 2 x the envelope max_s |jaxgpt8 - fp32|
-# (as MUON_BF16_NOISE_FACTOR). Before the first update the quantization is identical: step 0 is held to
+# the other, so |jaxgpt8 - torch8| <= |jaxgpt8 - fp32| + |torch8 - fp32| ~ 2 x the envelope max_s |torch8 - fp32|
+# (torch's drift, as bf16_train_loss_bound takes torch autocast's, so that a jaxgpt bug cannot widen it; as
+# MUON_BF16_NOISE_FACTOR). Before the first update the quantization is identical: step 0 is held to
 # TRAIN_LOSS_ABS. Measured: steps 0-3 differ by <= 4.8e-7, max 2.8e-4 over 20 steps against an envelope of 8.1e-4
 # (0.34x); parameters 1.7e-3 against fp8's 2.0e-2 from fp32.
 FP8_TRAIN_FACTOR = 2.0

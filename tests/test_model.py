@@ -31,7 +31,9 @@ def tokens(batch: int, seq: int, vocab: int = 50257, seed: int = 0) -> jax.Array
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=(batch, seq)), dtype=jnp.int32)
 
 
-def fresh_model(config: GPTConfig = TINY, *, seed: int = 0, **policy) -> GPT:
+def fresh_model(config: GPTConfig = TINY, *, seed: int = 0, attention: str | None = None, **policy) -> GPT:
+    if attention is not None:  # the attention op's implementation (Policy.kernels)
+        policy["kernels"] = {"attention": attention}
     return GPT(config, policy=Policy.fp32(**policy) if "compute_dtype" not in policy else Policy(**policy),
                rngs=nnx.Rngs(seed))
 

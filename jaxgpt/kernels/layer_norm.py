@@ -415,14 +415,18 @@ def add_layer_norm(hidden: Float[Array, "batch seq embed"], residual: Float[Arra
     None: the embeddings), then ``(x, ln(x), ..., ln(x))`` with ``copies`` copies of ln(x), one per GEMM that reads
     it (without x where ``keep_residual`` is False: ln_f). ``impl`` (``Policy.kernels.layer_norm``): "xla" (the
     reference: XLA's add, the expression, autodiff), "fused" (:func:`layer_norm`'s two-pass backward), "pallas"
-    (:func:`layer_norm_branch`: the add inside one custom VJP, whose forward and backward are one Pallas kernel each
-    on GPUs and fused's passes elsewhere; ln(x) written in ``dtype``, the GEMMs' operand dtype)."""
+    (:func:`layer_norm_branch`: on GPUs the add inside one custom VJP whose forward and backward are one Pallas kernel
+    each, ln(x) written in ``dtype``, the GEMMs' operand dtype; elsewhere XLA's add and fused's passes, fused's values
+    bit for bit)."""
     lead, width = hidden.shape[:-1], hidden.shape[-1]
     rows = (-1, width)
     x, add = (hidden, None) if residual is None else (residual, hidden)
     if impl == "pallas" and x.dtype == jnp.float32:
-        if add is not None and add.dtype != jnp.float32:  # a bf16 branch (autocast's c_proj without a bias): XLA adds
-            x, add = x + add, None  # it: x + a promotes, and autodiff rounds a's gradient its own way
+        # XLA adds a bf16 branch (autocast's c_proj without a bias: x + a promotes, and autodiff rounds a's gradient its
+        # own way), and every branch where the kernels do not run (CPUs): there the VJP is fused's passes, and the add
+        # inside it changed XLA:CPU's code (fp32 sums in another order), so it stays outside, as fused's
+        if add is not None and (add.dtype != jnp.float32 or _resolve("auto") == "xla"):
+            x, add = x + add, None
         with jax.named_scope(SCOPE):
             outs = layer_norm_branch(x.reshape(rows), scale, bias, eps=eps, copies=copies, dtype=dtype,
                                      add=None if add is None else add.reshape(rows), residual=keep_residual)

@@ -286,7 +286,7 @@ def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[f
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32) under Policy(kernels={"layer_norm": 'pallas'}), bf16 compute, with the GPU's backward (the
+    """A tiny GPT (2 layers, n_embd 32) under kernels.layer_norm = "pallas", bf16 compute, with the GPU's backward (the
     kernel, interpreted: LayerNorm gradients within fp32 rounding of the plain ones) takes 4 AdamW steps to the plain
     policy's losses within 1e-4 relative (fp32 rounding differences, amplified by a few bf16 GEMM roundings and
     AdamW's normalisation), and the losses fall; with the CPU's backward it trains exactly as layer_norm: fused."""
@@ -298,7 +298,7 @@ def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
 
 
 @pytest.mark.parametrize("name, policy, bias", [
-    ("bf16 + gelu: pallas", lambda ln: Policy.bf16(kernels={"layer_norm": ln, "mlp": "pallas"}), True),
+    ("bf16 + mlp: pallas-gemm", lambda ln: Policy.bf16(kernels={"layer_norm": ln, "mlp": "pallas-gemm"}), True),
     ("bf16-autocast", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), True),
     ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), False),
     ("fp8", lambda ln: Policy.fp8_policy(kernels={"layer_norm": ln}), True)], ids=lambda v: v if isinstance(v, str) else "")
@@ -311,12 +311,12 @@ def test_pallas_trains_as_fused_under_the_other_opt_in_policies(name, policy, bi
 
 def test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_losses(monkeypatch):
     """The GPU's attention (q, k and v as three GEMMs, so ln_1 hands out three copies and its kernel sums their
-    input gradients), run here by making CausalSelfAttention.gemms 3: under layer_norm=pallas with the kernel
+    input gradients), run here by making CausalSelfAttention.inputs 3: under layer_norm=pallas with the kernel
     (interpreted) the tiny GPT takes 4 AdamW steps to the plain policy's losses (the same three GEMMs, autodiff's
     sum) within 1e-4 relative, as in the test above; with the CPU's backward, to layer_norm: fused's exactly."""
     from jaxgpt.model import CausalSelfAttention
 
-    monkeypatch.setattr(CausalSelfAttention, "gemms", property(lambda self: 3))
+    monkeypatch.setattr(CausalSelfAttention, "inputs", property(lambda self: 3))
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
     np.testing.assert_allclose(_train(Policy.bf16(kernels={"layer_norm": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
@@ -328,11 +328,12 @@ def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert Policy().kernel("layer_norm") == "xla" and resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("layer_norm") == "xla"
-    assert resolve_policy(TrainConfig.load(None, {"kernels.layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
-    with pytest.raises(ConfigError, match="Policy.layer_norm = 'triton'.*'plain', 'fused', 'pallas'"):
+    assert resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("layer_norm") == "xla"
+    cfg = TrainConfig.load(None, {"kernels.layer_norm": "pallas", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'triton': valid choices are xla, fused, pallas"):
         Policy(kernels={"layer_norm": "triton"})
-    with pytest.raises(ConfigError, match="layer_norm"):
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'fast': valid choices are xla, fused, pallas"):
         TrainConfig.load(None, {"kernels.layer_norm": "fast"})
 
 
@@ -370,7 +371,7 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
     ln_1 = min(k.bytes for k in fwd)
     assert sorted({k.bytes for k in fwd}) == [ln_1, ln_1 + 2 * rows_embed]
     # every ln_2, every ln_1 but the first block's and ln_f add a branch: the MLP's output is left to the next ln_1's
-    # kernel (model.Residual), the last block's to ln_f's, so no XLA residual add is left: the large adds left are
+    # kernel (the Block's (hidden, residual) out), the last block's to ln_f's, so no XLA residual add is left: the large adds left are
     # the sums of a split-K GEMM's partials (XLA splits the tiny MLP c_proj's K of 128 in 4), which read no residual
     m = hlo.Module(cs.hlo_text())
     for k in [k for k in ks if k.op_name.endswith("jvp()/add") and k.bytes >= 3 * rows_embed]:

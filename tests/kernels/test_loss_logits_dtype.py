@@ -51,8 +51,9 @@ def test_train_config_reaches_the_policy():
     from jaxgpt.train.config import TrainConfig
 
     assert TrainConfig.load(None, {}).logits_dtype is None and Policy().logits_dtype == "float32"
-    bf16 = TrainConfig.load(None, {"precision": "auto", "logits_dtype": "bfloat16", "gelu": "pallas"})
-    assert resolve_policy(bf16, "gpu") == Policy.bf16(logits_dtype="bfloat16", kernels={"mlp": "pallas"})
+    bf16 = TrainConfig.load(None, {"precision": "auto", "logits_dtype": "bfloat16", "kernels": "pallas"})
+    assert resolve_policy(bf16, "gpu") == Policy.bf16(logits_dtype="bfloat16", kernels="pallas")
+    assert resolve_policy(bf16, "gpu").kernel("loss") == "pallas"  # the preset's loss kernel takes bf16 logits
     assert resolve_policy(TrainConfig.load(None, {"precision": "bf16"}), "gpu").logits_dtype == "float32"
     assert Policy.named("fp8", logits_dtype="bfloat16") == Policy.fp8_policy(logits_dtype="bfloat16")
     # bf16-autocast is torch.autocast's numerics, bf16 logits included: null or bfloat16 name it, float32 is refused
