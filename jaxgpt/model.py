@@ -103,9 +103,10 @@ class LayerNorm(nnx.Module):
 
     def __call__(self, hidden: Float[Array, "batch seq embed"], residual: Float[Array, "batch seq embed"] | None = None,
                  *, copies: int = 1, keep_residual: bool = True) -> tuple[Float[Array, "batch seq embed"], ...]:
-        return layer_norm.add_layer_norm(hidden, residual, self.scale[...], None if self.bias is None else self.bias[...],
-                                         eps=self.eps, impl=self.policy.kernel("layer_norm"), copies=copies,
-                                         dtype=self.policy.dtype, keep_residual=keep_residual)
+        bias = None if self.bias is None else self.bias[...]
+        return layer_norm.add_layer_norm(hidden, residual, self.scale[...], bias, eps=self.eps, copies=copies,
+                                         impl=self.policy.kernel("layer_norm"), dtype=self.policy.dtype,
+                                         keep_residual=keep_residual)
 
 
 class Linear(nnx.Module):
@@ -235,8 +236,8 @@ class GPT(nnx.Module):
         pos: Int[Array, ""] | int = 0,
         dropout_key: jax.Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVCache | None]:
-        """Final hidden states (after ln_f), fp32 (under kernels.layer_norm: pallas on GPUs, its kernel writes them in the
-        GEMMs' dtype, bf16 where they compute in it, as every reader rounds them); with a cache, tokens sit at
+        """Final hidden states (after ln_f), fp32 (under kernels.layer_norm: pallas on GPUs, its kernel writes them in
+        the GEMMs' dtype, bf16 where they compute in it, as every reader rounds them); with a cache, tokens sit at
         positions [pos, pos+T)."""
         check_tokens(idx, self.config)
         T = idx.shape[1]

@@ -246,7 +246,7 @@ def causal_attention(
     precision=None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """``softmax(q k^T / sqrt(D) + causal mask) v``, matmuls in ``dtype`` with fp32 accumulation, softmax in
-    fp32: the same forward as ``model.reference_attention`` without a mask, with a hand-written backward.
+    fp32: the same forward as ``jaxgpt.kernels.attention.reference_attention`` without a mask, with a hand-written backward.
 
     Blocked by queries (:func:`query_blocks`): block ``[a, b)`` multiplies only against keys ``[0, b)``, so the
     fully masked upper triangle is mostly never computed (4 blocks: 62.5% of the dense work), and every matmul

@@ -16,7 +16,7 @@ import pytest
 
 from jaxgpt import ops
 from jaxgpt.kernels import loss as fused_loss
-from jaxgpt.model import reference_attention
+from jaxgpt.kernels.attention import reference_attention
 from jaxgpt.precision import Policy
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -131,7 +131,7 @@ def test_matmul_matches_plain_fp32_autodiff():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_causal_attention_matches_reference(shape, dtype):
     """Output and q/k/v gradients of ops.causal_attention (hand-written backward) equal the autodiff of
-    model.reference_attention (plain einsums, causal mask, fp32 softmax)."""
+    jaxgpt.kernels.attention.reference_attention (plain einsums, causal mask, fp32 softmax)."""
     q, k, v, g = (_rand(i, shape) for i in range(4))
     policy = Policy(compute_dtype=dtype, matmul_precision="highest" if dtype == "float32" else "default")
     fast = lambda q, k, v: ops.causal_attention(q, k, v, dtype=policy.dtype, precision=policy.lax_precision)  # noqa: E731

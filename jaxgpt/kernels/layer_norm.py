@@ -208,7 +208,8 @@ def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
                                    f"bfloat16 dy, got {x.dtype}, {dres_dtype} and {', '.join(map(str, dtypes))}")
     if tuple(mean.shape) != (x.shape[0], 1) or tuple(rstd.shape) != (x.shape[0], 1) or scale.shape != x.shape[1:]:
         raise LayerNormKernelError(f"layer_norm_backward: mean and rstd must be ({x.shape[0]}, 1) and scale "
-                                   f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, {tuple(scale.shape)}")
+                                   f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, "
+                                   f"{tuple(scale.shape)}")
 
 
 def layer_norm_backward(x: Float[Array, "rows embed"],

@@ -6,11 +6,11 @@ fp32 logits are never materialised whole, and never twice.
 loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
 memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
 logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
-operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``kernels.loss = "pallas"``) runs the bf16 logits GEMM as a Pallas
-GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the logits for
-them. ``tests/test_ops.py``, ``tests/kernels/test_loss_logits.py`` and ``tests/kernels/test_loss_kernel.py`` check it against the
-plain expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
-"""
+operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``kernels.loss = "pallas"``) runs the bf16 logits GEMM as
+a Pallas GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the
+logits for them. ``tests/test_ops.py``, ``tests/kernels/test_loss_logits.py`` and
+``tests/kernels/test_loss_kernel.py`` check it against the plain expression, values and gradients; what it saved is
+measured in ``BENCHMARKS.md``. :func:`apply` is the op's entry point (``Policy.kernels.loss``)."""
 
 from __future__ import annotations
 
@@ -225,9 +225,9 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
 
 def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
     """(extra scan inputs, operands(h_i, *extra_i), the logits' scale) of the logits GEMM. Without ``fp8``: ((),
-    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.kernels.fp8): h and the head rounded to e4m3 with per-tensor scales
-    of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales (a
-    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.kernels.fp8)."""
+    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.kernels.fp8): h and the head rounded to e4m3 with per-tensor
+    scales of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales
+    (a dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.kernels.fp8)."""
     if not fp8:
         return (), lambda h_i: (h_i, w_c), None
     hq, h_scale = f8.quantize(h.astype(dtype))
@@ -363,8 +363,8 @@ def lm_head_cross_entropy(
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
     columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
-    GEMM with e4m3 operands (jaxgpt.kernels.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
-    writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
+    GEMM with e4m3 operands (jaxgpt.kernels.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits
+    GEMM writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
     from the rounded logits; :func:`_head_logits`). ``lm_head``: "pallas" computes the row max and sum of exp in
     the logits GEMM's epilogue on GPUs (:func:`logits_lse`; bf16 logits), "plain" in a pass of their own."""
     C = h.shape[-1]

@@ -2,8 +2,9 @@
 
 The same function as :class:`jaxgpt.model.MLP`'s plain path, ``gelu(x @ W_fc + b_fc) @ W_proj`` (bf16 operands,
 fp32 accumulation, GPT-2's tanh GELU in fp32, its output rounded to bf16 as c_proj's operand); c_proj's bias is
-added by the caller, as :class:`jaxgpt.model.Linear` adds it. What changes is where GELU runs. Under
-a GELU backward kernel of its own (``gelu: pallas`` until issue 44) each layer of the gpt2 b64 step still moves, around the GEMMs:
+added by the caller, as :class:`jaxgpt.model.Linear` adds it. What changes is where GELU runs. Under a GELU
+backward kernel of its own (``gelu: pallas`` until issue 44) each layer of the gpt2 b64 step still moves, around the
+GEMMs:
 
 * forward: the c_fc GEMM writes ``h`` (fp32, [65536, 3072]: 805 MB); an XLA fusion reads it back and writes
   ``gelu(h)`` in bf16 (403 MB) for c_proj: 1.2 GB;
@@ -127,9 +128,9 @@ def proj_gemm_gelu_backward(g: Float[Array, "rows d_out"], w: Float[Array, "d_ff
     kernel, stored (d_ff, d_out)) and fp32 accumulation, rounded to bf16, and the fp32 column sums of the unrounded
     ``dh`` per block of rows (their sum is c_fc's bias gradient), as one Pallas Triton GEMM.
 
-    ``fc``: ``(x, w_fc, b_fc)`` (bf16, bf16, fp32 or None) instead of ``h`` (``kernels.mlp: pallas-recompute``): each tile's h
-    is computed again as :func:`fc_gemm_gelu` computed it (the same tiles and K steps), a second GEMM in the kernel
-    (named ``gemm2_ntnn_*``: :mod:`jaxgpt.compile.hlo` reads both), so the forward need not keep h."""
+    ``fc``: ``(x, w_fc, b_fc)`` (bf16, bf16, fp32 or None) instead of ``h`` (``kernels.mlp: pallas-recompute``): each
+    tile's h is computed again as :func:`fc_gemm_gelu` computed it (the same tiles and K steps), a second GEMM in the
+    kernel (named ``gemm2_ntnn_*``: :mod:`jaxgpt.compile.hlo` reads both), so the forward need not keep h."""
     from jax.experimental import pallas as pl
 
     bf16, f32 = jnp.bfloat16, jnp.float32

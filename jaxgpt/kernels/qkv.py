@@ -11,8 +11,9 @@ moves, around those GEMMs:
 * backward: each projection's input-gradient GEMM writes its fp32 dx (201 MB), and the LayerNorm kernel reads the
   three (one copy of ln(x) per GEMM, so each gradient is an array of its own; XLA's add of three was a pass).
 
-Here :func:`jaxgpt.kernels.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of W_attn
-in place), and the backward's input gradient is one GEMM over the three gradients (:func:`jaxgpt.kernels.gemm.gemm_sum_nt`:
+Here :func:`jaxgpt.kernels.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of
+W_attn in place), and the backward's input gradient is one GEMM over the three gradients
+(:func:`jaxgpt.kernels.gemm.gemm_sum_nt`:
 ``[dq dk dv] @ W_attn^T`` without the concatenation, one fp32 accumulation over the 2,304 columns, as the CPU's
 single c_attn GEMM does), so LayerNorm hands this op one ln(x) and reads one gradient; the same kernel sums the
 bias gradient's columns from the bf16 gradients it reads anyway (XLA read each again: 36 passes of 101 MB at b64).
@@ -99,8 +100,8 @@ def gemms(impl: str, dtype) -> int:
     return 1 if ops.platform() == "cpu" or (impl == "pallas" and applies(dtype)) else 3
 
 
-def project(x: list[Float[Array, "batch seq embed"]], w: Float[Array, "embed 3embed"], b: Float[Array, " 3embed"] | None,
-            *, policy, impl: str, decoding: bool = False) -> list[Float[Array, "batch seq embed"]]:
+def project(x: list[Float[Array, "batch seq embed"]], w: Float[Array, "embed qkv"], b: Float[Array, " qkv"] | None, *,
+            policy, impl: str, decoding: bool = False) -> list[Float[Array, "batch seq embed"]]:
     """q, k and v: the three column blocks of ``x @ w + b`` (``x``: one copy of the input per GEMM, :func:`gemms`).
     "xla": on CPUs c_attn's one GEMM split in three (split's backward is one concatenate of dq, dk, dv, an unpack's
     three zero-padded copies of the whole gradient: 150 ms of a 6 s gpt2 124M step on 2 cores); elsewhere one GEMM

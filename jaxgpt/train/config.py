@@ -36,7 +36,7 @@ class TrainConfig:
     dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
     # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
     precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp8"] = "auto"
-    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8); None: jaxgpt.kernels.fp8.DEFAULT_GEMMS
+    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8); None: its DEFAULT_GEMMS
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     # which implementation each op of the kernel layer runs (jaxgpt.kernels.registry, docs/kernels.md): a preset,
     # --kernels=xla (the reference paths) or --kernels=pallas (the Pallas kernels where they run: GPUs; the same

@@ -199,4 +199,4 @@ def test_train_config_selects_it():
     with pytest.raises(ConfigError, match="kernels.layer_norm = 'fast': valid choices are xla, fused, pallas"):
         TrainConfig.load(None, {"kernels.layer_norm": "fast"})
     with pytest.raises(ConfigError, match="layer_norm: replaced by kernels.*--kernels.layer_norm=NAME"):
-        TrainConfig.load(None, {"kernels.layer_norm": "fused"})  # the old flag: refused, naming the new one
+        TrainConfig.load(None, {"layer_norm": "fused"})  # the old flag: refused, naming the new one
