@@ -136,8 +136,17 @@ def implementations(op: str, platform: str | None = None, compute: str | None = 
 
 def describe(op: str, name: str) -> Implementation:
     if name not in REGISTRY.get(op, {}):
-        raise ConfigError(f"kernels.{op} = {name!r}: valid choices are {', '.join(implementations(op))}")
+        raise ConfigError(f"kernels.{op} = {name!r}: valid choices are {', '.join(implementations(op))}{where(op)}")
     return REGISTRY[op][name]
+
+
+def where(op: str) -> str:
+    """Which of ``op``'s implementations are for one platform, for an error message: " (GPU: pallas)"."""
+    only = {}
+    for i in REGISTRY[op].values():
+        if set(i.platforms) != set(PLATFORMS):
+            only.setdefault("/".join(p.upper() for p in i.platforms), []).append(i.name)
+    return " (" + "; ".join(f"{p}: {', '.join(n)}" for p, n in only.items()) + ")" if only else ""
 
 
 def check_names(kernels: Kernels) -> None:

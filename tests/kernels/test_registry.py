@@ -53,8 +53,10 @@ def test_presets_resolve_against_the_numerics():
 
 def test_one_line_errors_name_the_valid_choices():
     for kernels, msg in (("fast", "kernels = 'fast': the presets are xla, pallas"),
-                         ({"mlp": "pallas"}, "kernels.mlp = 'pallas': valid choices are xla, pallas-gemm, "
-                                             "pallas-recompute"),
+                         ({"mlp": "pallas"}, r"^kernels.mlp = 'pallas': valid choices are xla, pallas-gemm, "
+                                             r"pallas-recompute \(GPU: pallas-gemm, pallas-recompute\)$"),
+                         ({"attention": "flash"}, r"^kernels.attention = 'flash': valid choices are auto, xla, cudnn, "
+                                                  r"einsum, reference \(GPU: cudnn; CPU: einsum\)$"),
                          ({"gelu": "pallas"}, "Kernels: unknown key")):
         with pytest.raises(ConfigError, match=msg):
             Policy.bf16(kernels=kernels)
