@@ -8,7 +8,10 @@ translation table for the other. Shapes use named axes:
 
 Numerics follow GPT-2 exactly: pre-LayerNorm blocks with eps 1e-5, the tanh approximation of GELU, a fused
 qkv projection, a causal softmax attention scaled by 1/sqrt(D), and an lm_head tied to the token embedding.
-Dtypes are decided by one :class:`~jaxgpt.precision.Policy` passed in at construction.
+Dtypes are decided by one :class:`~jaxgpt.precision.Policy` passed in at construction, and so is which implementation
+each op runs: the layers call the kernel layer's ops (:mod:`jaxgpt.kernels`: the residual add + LayerNorm, the q, k, v
+projections, attention, the MLP, the loss), whose reference is the plain expression torch_ref writes out. A Block
+takes and returns ``(hidden, residual)``, the residual add left to the LayerNorm after it, on every platform.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ So "bf16" here means: matmul *operands* in bf16 with fp32 accumulation. On CPU t
 pays off (bf16 -> bf16 dots are slower than fp32 in XLA:CPU); on GPU it is what tensor cores do anyway.
 
 ``matmul_precision="highest"`` pins fp32 matmuls to full fp32 (no TF32 on A100/H100); parity tests use it.
+
+The fields above are numerics; ``Policy.kernels`` says which implementation each op of the kernel layer runs (a preset,
+"xla" or "pallas", and per-op choices: :mod:`jaxgpt.kernels.registry`, docs/kernels.md), resolved and validated here
+against the numerics when the policy is built (:meth:`Policy.kernel`).
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jaxgpt import ops
+from jaxgpt.config import ConfigError, from_dict
 from jaxgpt.kernels import fp8 as f8
 from jaxgpt.kernels import registry
 from jaxgpt.kernels.registry import Kernels
-from jaxgpt.config import ConfigError, from_dict
 
 DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
