@@ -12,7 +12,7 @@ what changes is how XLA is allowed to run it. The parity tests check them agains
   Xeon, the fp32 train step of gpt2 124M at T=1024 went from 7.4 s (autodiff) to 5.7 s (this VJP with
   row-major copies) to 5.2 s (transposed operands), 1.42x in all.
 * :func:`causal_attention` — ``softmax(q k^T / sqrt(D) + causal mask) v`` blocked by queries so the masked upper
-  triangle is mostly skipped, with a hand-written backward (``Policy.attention = "einsum"``, the CPU default).
+  triangle is mostly skipped, with a hand-written backward (``kernels.attention: einsum``, the CPU default).
 
 (The fused lm_head + cross-entropy, the loss's own building block, is :mod:`jaxgpt.loss`.)
 

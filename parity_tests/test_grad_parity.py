@@ -119,7 +119,7 @@ def test_tied_embedding_gradient_is_lookup_plus_head(device, hf_checkpoint, pari
 @pytest.mark.parametrize("gelu", ["plain", "pallas-gemm-bf16h"])  # bf16h: one more rounding (tolerances.py)
 @pytest.mark.parametrize("name", ["tiny", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_bf16_gradients_close_to_fp32(name, gelu, device, hf_checkpoint, parity_report):
-    """The bf16 policy's gradients (and with gelu: pallas-gemm-bf16h, h kept in bf16 for GELU's backward) against
+    """The bf16 policy's gradients (and with gelu_h_dtype: bfloat16, h kept in bf16 for GELU's backward) against
     jaxgpt's fp32 ones, as torch autocast's against them: every tensor within GRAD_BF16_COS and GRAD_BF16_REL."""
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)

@@ -185,7 +185,7 @@ def adamw_fp32_runs():
 
 
 @pytest.mark.slow  # ~2-3 min on 2 cores: four 20-step runs
-# bf16-logits: bf16 with bf16 logits; bf16-gelu-bf16h: bf16 with gelu: pallas-gemm-bf16h (h kept in bf16)
+# bf16-logits: bf16 with bf16 logits; bf16-gelu-bf16h: bf16 with gelu_h_dtype: bfloat16 (h kept in bf16)
 @pytest.mark.parametrize("precision", ["bf16", "bf16-autocast", "bf16-logits", "bf16-gelu-bf16h"])
 def test_adamw_20_steps_bf16_within_torch_autocast_noise(device, precision, adamw_fp32_runs, parity_report):
     """20 AdamW steps (those of test_adamw_20_steps) under a bf16 policy move jaxgpt's losses and parameters from

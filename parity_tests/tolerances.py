@@ -107,7 +107,7 @@ def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
 #   (whose logits are bf16 too). Measured: 7.4e-5 from its fp32 run (0.88x torch's envelope 8.4e-5), 6.0e-5 from
 #   torch autocast; final parameters 9.84e-3 from its fp32 run (1.00x torch's).
 #
-# gelu: pallas-gemm-bf16h (Policy.gelu; jaxgpt.kernels.mlp with h_dtype bf16): the bf16 policy with c_fc's output h kept
+# gelu_h_dtype: bfloat16 (Policy.gelu_h_dtype; jaxgpt.kernels.mlp with h_dtype bf16): the bf16 policy with c_fc's output h kept
 # for GELU's backward rounded to bf16. The forward is the bf16 policy's bit for bit (gelu(h) from the fp32 h;
 # tests/kernels/test_mlp.py); the backward's gelu'(h) comes from the rounded h, |bf16(h) - h| <= u |h|
 # (u = BF16_UNIT_ROUNDOFF), so gelu'(h) moves by |gelu''(xi)| u |h| for some xi between the two, at most

@@ -65,7 +65,7 @@ as a select) keeps **four** fp32 T x T tensors per head alive into the backward 
 as 15-16 bytes per (head, query, key) in ``memory_analysis()``; that is what is counted for ``xla``.
 On CPU, jaxgpt's default is ``jaxgpt.ops.causal_attention`` (``einsum``): its hand-written backward saves one fp32
 copy of P and the fp32 output y, and P only over the keys each query block sees: ``T' = 0.625 T`` with its 4 query
-blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
+blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``kernels.attention: auto``), which recomputes
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).
 
 Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and the backward's transient

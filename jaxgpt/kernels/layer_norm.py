@@ -123,7 +123,7 @@ def layer_norm(x: Float[Array, "rows embed"], scale: Float[Array, " embed"], bia
     return _layer_norm(x, scale, bias, float(eps))
 
 
-# ---- layer_norm: pallas: the LayerNorm of a residual branch, its backward one kernel ------------------------------
+# ---- kernels.layer_norm: pallas: the LayerNorm of a residual branch, its backward one kernel ----------------------
 # On GPUs the row pass above is a fusion that also adds dx to the residual stream's gradient (XLA fuses the add in),
 # and the column pass re-reads x and dy. One kernel can do both, but only if the custom VJP is handed the residual
 # gradient: a VJP of the LayerNorm alone gets dy, and XLA would add its dx to the residual gradient in a pass of its

@@ -32,7 +32,7 @@ CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (j
 # on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
 # vocabulary), and there is no cache to stay inside; see _chunk_rows
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
-# lm_head: pallas (GPUs; bf16 logits, the row max and sum of exp from the GEMM): 2 GiB of bf16 logits per chunk. Every
+# kernels.loss: pallas (GPUs; bf16 logits, the row max and sum of exp from the GEMM): 2 GiB of bf16 logits per chunk. Every
 # chunk is a loop step with its own fixed work (slices, the dW carry's read and write, the dh rows' copy); at gpt2
 # b16 the loss is one chunk, no loop (predicted -0.2 ms per step), at b64 four of 16,384 rows, where 16 of 4,096 were
 # (the chunk's bf16 logits and softmax gradient, 3.3 GB, against 0.8 GB: the step's memory is still <= 32 GiB)

@@ -3,7 +3,7 @@ to bf16 that attention applies in the GEMMs' epilogues, and one GEMM for the inp
 
 The same function as :class:`jaxgpt.model.CausalSelfAttention`'s projections on GPUs (``x @ W_attn + b`` as q, k
 and v's three column blocks, bf16 operands, fp32 accumulation and bias add, then rounded to bf16 by attention).
-Compiled for the H100 (gpt2 124M, micro-batch 64, bf16, ``layer_norm: pallas``) each layer of the plain program
+Compiled for the H100 (gpt2 124M, micro-batch 64, bf16, ``kernels.layer_norm: pallas``) each layer of the plain program
 moves, around those GEMMs:
 
 * forward: each of the three GEMMs writes fp32 (201 MB at [65536, 768]) and attention's convert pass reads it, adds

@@ -204,7 +204,7 @@ def test_policy_field_and_train_config():
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts():
-    """The tiny step compiled for the H100 under qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
+    """The tiny step compiled for the H100 under kernels.qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
     bf16 in the epilogue, each reading its column block of W_attn in place) and one backward (the input gradient of all three), each read as a GEMM at the least
     efficient measured GEMM rate, with the plain program's GEMM FLOPs in all; the convert passes in attention's scope
     are gone, and the step moves fewer bytes."""

@@ -1,4 +1,4 @@
-"""jaxgpt.kernels.layer_norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
+"""jaxgpt.kernels.layer_norm's kernels.layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
 the forward kernel that adds the branch and writes ln(x) in the GEMMs' dtype (in Pallas' interpreter) against the
 fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP against autodiff of the plain
 expression (its bf16 output's gradients fp32), a tiny GPT under the policy, the policy field, and the compiled tiny

@@ -157,7 +157,7 @@ def test_policy_field_and_train_config():
 
 
 def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduction_pass():
-    """The tiny step compiled for the H100 under lm_head=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
+    """The tiny step compiled for the H100 under kernels.loss=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
     scope, read as a GEMM with the logits GEMM's FLOPs at the least efficient measured GEMM rate; the reduction pass
     over each chunk's logits is gone (what reads them is the gradient's pass alone)."""
     cs, ks, kp = tiny_h100.kernels_beside_plain(("kernels.loss=pallas",),

@@ -216,7 +216,7 @@ def test_policy_field_and_train_config():
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate():
-    """The tiny step compiled for the H100 under gelu=pallas-gemm: two Pallas GEMMs per layer (c_fc + bias + GELU in
+    """The tiny step compiled for the H100 under kernels.mlp=pallas-gemm: two Pallas GEMMs per layer (c_fc + bias + GELU in
     the forward, c_proj's input gradient times gelu'(h) in the backward), each read as a GEMM with the FLOPs of the
     plain program's GEMM it replaces (the step's GEMM FLOPs are the plain step's) plus its epilogue's extra bytes;
     the GEMM part is priced at the least efficient measured GEMM rate, the epilogue at the least efficient fusion
@@ -257,8 +257,8 @@ def mlp_inputs(seed: int, rows: int = 168, d: int = 48, f: int = 96):
 @pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
 def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
     """proj_gemm_gelu_backward(fc=(x, w_fc, b_fc)) (interpreted) against the same kernel handed the forward kernel's h:
-    dh and its column sums bit for bit (h is computed again with the forward's tiles and K steps), with a bf16 g and
-    with an fp32 one (c_proj: pallas's results too); the forward kernel without h writes the same gelu(h)."""
+    dh and its column sums bit for bit (h is computed again with the forward's tiles and K steps); the forward kernel
+    without h writes the same gelu(h)."""
     x, w_fc, b = _fwd_inputs(m, k, n, seed=5)
     r = np.random.default_rng(6)
     g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
@@ -295,7 +295,7 @@ def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl):
 
 def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     """kernels.mlp: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
-    gelu: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
+    kernels.mlp: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
     plus the c_fc GEMM's it recomputes), the forward kernel writes half as many bytes less (no fp32 h), the backward
     reads no h, and the step needs less memory by h's (rows, 4 x embed) fp32 per layer."""
     from jaxgpt.compile.program import resolve_policy
@@ -404,7 +404,7 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
     """gelu_h_dtype: bfloat16 is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
     GPT under it starts from the plain bf16 policy's loss bit for bit (the forward is unchanged) and trains to within
     1e-3 of its losses, with the kernels (interpreted) as with XLA's path; the tiny step compiled for the H100 beside
-    gelu: pallas-gemm: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
+    kernels.mlp: pallas-gemm alone: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
     (rows, 4 x embed) bytes halved in each, per layer), and the step needs less memory by that much."""
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
