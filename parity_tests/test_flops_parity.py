@@ -304,6 +304,7 @@ def test_fused_cross_entropy_chunks(monkeypatch):
     chunks of 128 rows), over the real vocabulary only; the default attention skips most of the masked upper
     triangle; and XLA's cost_analysis counts a while-loop body once, so it *under*-counts the loss."""
     from jaxgpt import ops
+    from jaxgpt.kernels import attention
     from jaxgpt.kernels import loss as fused_loss
 
     name = "mini-padded"
@@ -320,7 +321,7 @@ def test_fused_cross_entropy_chunks(monkeypatch):
     # columns, and the blocked causal attention's upper triangle (6 matmuls of 2 B D N per computed (query, key))
     V = cfg.vocab_size
     skipped_vocab = 3 * 2 * M * C * (Vp - V)
-    computed = sum((b - a) * b for a, b in ops.query_blocks(seq))
+    computed = sum((b - a) * b for a, b in attention.query_blocks(seq))
     skipped_attention = cfg.n_layer * 6 * 2 * batch * C * (seq * seq - computed)
     assert skipped_vocab > 0 and skipped_attention > 0
     assert costs["jaxpr"]["matmul"] == analytic + 3 * 2 * padded_rows * C * V - skipped_vocab - skipped_attention

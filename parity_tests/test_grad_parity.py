@@ -76,7 +76,7 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name,attention", [("tiny", "einsum"), ("tiny", "xla"), ("gpt2", "einsum"),
                                             pytest.param("gpt2", "xla", marks=pytest.mark.slow)])
 def test_fp32_gradients_agree(name, attention, device, hf_checkpoint, parity_report):
-    """einsum: ops.causal_attention's hand-written backward (the CPU default); xla: jax.nn.dot_product_attention."""
+    """einsum: jaxgpt.kernels.attention.causal_attention's hand-written backward (the CPU default); xla: jax.nn.dot_product_attention."""
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):

@@ -454,8 +454,9 @@ def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
 
 def test_mirrored_kernel_constants_match_jaxgpt_ops():
     """The accountant stays jax-free, so it mirrors ops' chunk and block constants: they must agree, and its
-    count of the keys the blocked attention computes must match ops.query_blocks."""
+    count of the keys the blocked attention computes must match jaxgpt.kernels.attention.query_blocks."""
     from jaxgpt import ops
+    from jaxgpt.kernels import attention
     from jaxgpt.kernels import loss as fused_loss
 
     assert acc.CE_CHUNK_ELEMENTS == fused_loss.CE_CHUNK_ELEMENTS
@@ -465,8 +466,8 @@ def test_mirrored_kernel_constants_match_jaxgpt_ops():
             for n, v, fp8 in itertools.product((1, 17, 256, 1000, 2048, 16384, 65536), (65, 50257, 50304),
                                                (False, True)):
                 assert acc.loss_chunk_rows(n, v, gpu=gpu, fp8=fp8) == fused_loss._chunk_rows(n, v, fp8=fp8), (n, v, gpu)
-    assert acc.ATTENTION_QUERY_BLOCKS == ops.ATTENTION_QUERY_BLOCKS
+    assert acc.ATTENTION_QUERY_BLOCKS == attention.ATTENTION_QUERY_BLOCKS
     for T in (1, 3, 37, 256, 1024):
-        keys = sum((b - a) * b for a, b in ops.query_blocks(T)) / T
+        keys = sum((b - a) * b for a, b in attention.query_blocks(T)) / T
         assert acc.visible_keys_per_query(T) == pytest.approx(keys)
     assert acc.visible_keys_per_query(1024) == pytest.approx(0.625 * 1024)

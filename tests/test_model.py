@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import ops
 from jaxgpt.config import GPTConfig
+from jaxgpt.kernels import attention as attention_op
 from jaxgpt.model import GPT, KVCache, LayerNorm, TokenError, check_cache_positions, check_tokens, dropout
 from jaxgpt.precision import Policy, cpu_bf16_is_fast, default_compute
 
@@ -351,7 +351,7 @@ def test_bf16_policy_every_dot_is_bf16_in_fp32_out(attention):
     for name, fn, n_lm_head in (("forward", fwd, 1), ("loss", loss, None)):
         dots = _dots(jax.jit(fn).lower(state, idx).as_text())
         # c_attn, c_proj, c_fc, mlp c_proj; q k^T and p v (per query block for the blocked einsum attention)
-        per_layer = 4 + 2 * (len(ops.query_blocks(idx.shape[1])) if attention == "einsum" else 1)
+        per_layer = 4 + 2 * (len(attention_op.query_blocks(idx.shape[1])) if attention == "einsum" else 1)
         if n_lm_head is not None:
             assert len(dots) == per_layer * cfg.n_layer + n_lm_head, f"{name}: {len(dots)} dots"
         else:  # the loss may compute the lm_head in chunks

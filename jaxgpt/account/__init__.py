@@ -63,7 +63,7 @@ jaxgpt's XLA path (``jax.nn.dot_product_attention(implementation="xla")``, with 
 as a select) keeps **four** fp32 T x T tensors per head alive into the backward as compiled by XLA:CPU
 (masked scores, exp(s - max), and the probabilities in two layouts, one per backward matmul), measured
 as 15-16 bytes per (head, query, key) in ``memory_analysis()``; that is what is counted for ``xla``.
-On CPU, jaxgpt's default is ``jaxgpt.ops.causal_attention`` (``einsum``): its hand-written backward saves one fp32
+On CPU, jaxgpt's default is ``jaxgpt.kernels.attention.causal_attention`` (``einsum``): its hand-written backward saves one fp32
 copy of P and the fp32 output y, and P only over the keys each query block sees: ``T' = 0.625 T`` with its 4 query
 blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``kernels.attention: auto``), which recomputes
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).

@@ -11,6 +11,6 @@ FP8_SCALE_BYTES = 2 * 4  # per e4m3 GEMM: two fp32 scales (== jaxgpt.kernels.fp8
 ATTENTION_IMPLS = ("xla", "cudnn", "einsum")
 CE_CHUNK_ELEMENTS = 1 << 26  # == jaxgpt.kernels.loss.CE_CHUNK_ELEMENTS (not imported: the accountant stays jax-free)
 CE_CHUNK_ELEMENTS_GPU = 1 << 28  # == jaxgpt.kernels.loss.CE_CHUNK_ELEMENTS_GPU
-ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.ops.ATTENTION_QUERY_BLOCKS
+ATTENTION_QUERY_BLOCKS = 4  # == jaxgpt.kernels.attention.ATTENTION_QUERY_BLOCKS
 
 AccountError = DeviceError  # a bad argument to the accountant or its device table; the message says what is allowed

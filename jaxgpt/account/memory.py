@@ -33,7 +33,7 @@ def optimizer_state_elements(config: GPTConfig, optimizer: str, n: int) -> int:
 
 
 def visible_keys_per_query(seq_len: int) -> float:
-    """Mean number of keys per query row that jaxgpt.ops.causal_attention's query blocks compute (and save P
+    """Mean number of keys per query row that jaxgpt.kernels.attention.causal_attention's query blocks compute (and save P
     for): block [a, b) multiplies against keys [0, b). 0.625 T with 4 blocks, T for one."""
     n = max(1, min(ATTENTION_QUERY_BLOCKS, seq_len))
     edges = [round(i * seq_len / n) for i in range(n + 1)]

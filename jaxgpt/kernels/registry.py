@@ -61,7 +61,7 @@ _IMPLS = (
                    "jax.nn.dot_product_attention's XLA path"),
     Implementation("attention", "cudnn", ("gpu",), ("bfloat16",), "reordered", "cuDNN's fused attention"),
     Implementation("attention", "einsum", ("cpu",), ("float32", "bfloat16"), "reordered",
-                   "query-blocked einsums with a hand-written backward (jaxgpt.ops.causal_attention)"),
+                   "query-blocked einsums with a hand-written backward (jaxgpt.kernels.attention.causal_attention)"),
     Implementation("attention", "reference", ALL, ("float32", "bfloat16", "float64"), "reference",
                    "softmax(q k^T / sqrt(D)) v as plain einsums (the oracle; dropout)"),
     Implementation("qkv", "xla", ALL, ("float32", "bfloat16", "float64"), "reference",
