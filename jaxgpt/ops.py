@@ -150,3 +150,9 @@ def dropout(x: Array, rate: float, key: jax.Array | None) -> Array:
         return x
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def add_bias(y: Float[Array, "... d"], bias: Float[Array, " d"] | None) -> Float[Array, "... d"]:
+    """``y + bias`` (``y`` where there is none): a Linear's bias add, as the kernel layer's ops write it (the FLOP
+    counts of parity_tests/test_flops_parity.py find bias adds by this name)."""
+    return y if bias is None else y + bias

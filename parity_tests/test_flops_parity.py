@@ -138,9 +138,9 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "a
 # multiply), where jax 0.10 wrote those ops out in the jaxpr itself.
 _LOWERED_OPS = {"one_minus_square": 3}
 _CATEGORY = [  # (substring of the op's source location, category)
-    ("LayerNorm.__call__", "layernorm"), ("LayerNorm.branch", "residual"),  # branch(x, add=a): its x + a
-    ("MLP.__call__", "gelu"), ("Linear.__call__", "bias"),
-    ("(attention)", "attention"), ("ops.py", "loss"), ("cross_entropy", "loss"), ("Embed", "embedding"),
+    ("(add_layer_norm)", "residual"), ("layer_norm.py", "layernorm"),  # add_layer_norm's x + a, then the LayerNorm
+    ("(add_bias)", "bias"), ("kernels/mlp.py", "gelu"), ("Linear.__call__", "bias"),
+    ("kernels/attention.py", "attention"), ("ops.py", "loss"), ("cross_entropy", "loss"), ("Embed", "embedding"),
     ("hidden", "embedding"), ("Block.__call__", "residual"), ("CausalSelfAttention", "residual"),
     ("optax", "optimizer"),
 ]

@@ -434,9 +434,14 @@ def add_layer_norm(hidden: Float[Array, "batch seq embed"], residual: Float[Arra
             return tuple(o.reshape(*lead, width) for o in outs)
     x = x if add is None else x + add
     with jax.named_scope(SCOPE):  # named scopes label the profile's fusions (benchmarks.gpu.profile)
-        # as (rows, embed): with a leading batch of 1, XLA:CPU ran the backward's sum over rows for d(scale)
-        # ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's T=1024, 25 per step)
-        xr = x.reshape(rows).astype(jnp.promote_types(x.dtype, jnp.float32))  # fp32 (fp64 stays)
-        y = layer_norm(xr, scale, bias, eps=eps) if impl in ("fused", "pallas") else _reference(xr, scale, bias, eps)
-        y = y.reshape(*lead, width)
+        y = _rows(x, scale, bias, eps, fused=impl in ("fused", "pallas"))
     return ((x,) if keep_residual else ()) + (y,) * copies
+
+
+def _rows(x: Float[Array, "... embed"], scale, bias, eps: float, *, fused: bool) -> Float[Array, "... embed"]:
+    """The LayerNorm of x as (rows, embed), in fp32 (fp64 stays): with a leading batch of 1, XLA:CPU ran the
+    backward's sum over rows for d(scale) ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's
+    T=1024, 25 per step)."""
+    xr = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = layer_norm(xr, scale, bias, eps=eps) if fused else _reference(xr, scale, bias, eps)
+    return y.reshape(x.shape)

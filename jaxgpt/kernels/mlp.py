@@ -289,14 +289,14 @@ def apply(x: Float[Array, "batch seq embed"], w_fc: Float[Array, "embed d_ff"], 
     if impl in ("pallas-gemm", "pallas-recompute") or h_dtype == jnp.bfloat16:
         y = mlp(x, w_fc, b_fc, w_proj, dtype=policy.dtype, precision=policy.lax_precision, out_dtype=policy.out_dtype,
                 impl="xla" if impl == "xla" else "auto", recompute=impl == "pallas-recompute", h_dtype=h_dtype)
-        return y if b_proj is None else y + b_proj
+        return ops.add_bias(y, b_proj)
     y = policy.matmul(x, w_fc, gemm="mlp")  # fp32 accumulation
     if (policy.gemm_output != "float32" or policy.fp8_on("mlp")) and b_fc is not None:
         with jax.named_scope(SCOPE):
             h = jax.checkpoint(_bias_gelu)(y, b_fc)
     else:
-        h = y if b_fc is None else y + b_fc
+        h = ops.add_bias(y, b_fc)
         with jax.named_scope(SCOPE):
             h = jax.nn.gelu(h, approximate=True)  # GPT-2's tanh GELU, in fp32
     y = policy.matmul(h, w_proj, gemm="mlp")
-    return y if b_proj is None else y + b_proj
+    return ops.add_bias(y, b_proj)

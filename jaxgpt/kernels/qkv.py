@@ -110,10 +110,9 @@ def project(x: list[Float[Array, "batch seq embed"]], w: Float[Array, "embed qkv
     ``decoding``, whose steps take the per-block GEMMs)."""
     if impl == "pallas" and applies(policy.dtype) and not decoding:
         return list(projections(x[0], w, b, 3, dtype=policy.dtype, precision=policy.lax_precision))
-    bias = lambda y, bi: y if bi is None else y + bi  # noqa: E731
     if len(x) == 1 and ops.platform() == "cpu":
-        return jnp.split(bias(policy.matmul(x[0], w, gemm="attn"), b), 3, axis=-1)
+        return jnp.split(ops.add_bias(policy.matmul(x[0], w, gemm="attn"), b), 3, axis=-1)
     xs = x if len(x) == 3 else x * 3
     bs = [None] * 3 if b is None else jnp.split(b, 3)
-    return [bias(policy.matmul(xi, wi, gemm="attn"), bi) for xi, wi, bi in zip(xs, jnp.split(w, 3, axis=-1), bs,
+    return [ops.add_bias(policy.matmul(xi, wi, gemm="attn"), bi) for xi, wi, bi in zip(xs, jnp.split(w, 3, axis=-1), bs,
                                                                                   strict=True)]
