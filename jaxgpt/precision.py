@@ -100,6 +100,11 @@ class Policy:
     def __str__(self) -> str:  # the fields, then what each op runs (the benchmarks record it)
         return f"{self!r}: " + ", ".join(f"{op}={name}" for op, name in self._impls.items())
 
+    @property
+    def implementations(self) -> dict[str, str]:
+        """What every op of the kernel layer runs under this policy: {op: implementation}."""
+        return dict(self._impls)
+
     def kernel(self, op: str) -> str:
         """The implementation ``op`` runs under this policy (:mod:`jaxgpt.kernels.registry`)."""
         return self._impls[op]

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
             policy = Policy.named("bf16" if cfg.precision == "auto" else cfg.precision, **cfg.policy_options())
             print("# kernels (GPUs; precision auto as bf16): " + ", ".join(f"{op}={name}" for op, name in
-                                                                       policy._impls.items()))
+                                                                       policy.implementations.items()))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_CONFIG

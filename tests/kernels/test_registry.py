@@ -34,15 +34,15 @@ def test_every_op_has_a_reference_and_says_where_each_implementation_runs():
 
 
 def test_presets_resolve_against_the_numerics():
-    assert Policy()._impls == {"layer_norm": "xla", "attention": "auto", "qkv": "xla", "mlp": "xla", "loss": "xla"}
+    assert Policy().implementations == {"layer_norm": "xla", "attention": "auto", "qkv": "xla", "mlp": "xla", "loss": "xla"}
     fast = Policy.bf16(kernels="pallas", logits_dtype="bfloat16", gelu_h_dtype="bfloat16")
-    assert fast._impls == {"layer_norm": "pallas", "attention": "auto", "qkv": "pallas", "mlp": "pallas-gemm",
+    assert fast.implementations == {"layer_norm": "pallas", "attention": "auto", "qkv": "pallas", "mlp": "pallas-gemm",
                            "loss": "pallas"}
     # the same numerics as the precision says: where they rule a kernel out, the preset takes the reference
     assert Policy.bf16(kernels="pallas").kernel("loss") == "xla"  # fp32 logits
-    auto = Policy.bf16_autocast(kernels="pallas")._impls
+    auto = Policy.bf16_autocast(kernels="pallas").implementations
     assert (auto["layer_norm"], auto["qkv"], auto["mlp"], auto["loss"]) == ("pallas", "xla", "xla", "pallas")
-    fp8 = Policy.fp8_policy("all", kernels="pallas")._impls
+    fp8 = Policy.fp8_policy("all", kernels="pallas").implementations
     assert (fp8["qkv"], fp8["mlp"], fp8["loss"]) == ("xla", "xla", "xla")
     assert Policy.fp8_policy("lm_head", kernels="pallas").kernel("mlp") == "pallas-gemm"
     # a per-op choice over the preset; the policy's str names what each op runs (the benchmarks record it)
