@@ -58,7 +58,7 @@ Conventions others use (all per *token*, training = forward + backward), see :fu
   matmul ``2 * T * C * V``) + 3 x causal attention (``4 * T^2 * C / 2`` per layer per sequence). For
   GPT-2 that is this module's count with ``causal_halving=True``.
 
-fp8 (``precision: fp8``, :mod:`jaxgpt.fp8`): the same FLOPs, split by the operands' dtype
+fp8 (``precision: fp8``, :mod:`jaxgpt.kernels.fp8`): the same FLOPs, split by the operands' dtype
 (:meth:`FlopCount.training_by_dtype`). Only *forward* GEMMs take e4m3 operands, and only the kinds that
 ``fp8_gemms`` (``TrainConfig.fp8_gemms`` / ``Policy.fp8``) selects: ``attn`` = qkv and attn_out_proj, ``mlp`` =
 mlp_up and mlp_down, ``lm_head``; attention's own QK^T and PV (attn_scores, attn_values) and every backward GEMM
@@ -269,8 +269,8 @@ def count_flops(
 
 
 # ---- fp8: which GEMMs take e4m3 operands -----------------------------------------------------------------------------
-# jaxgpt.fp8's GEMM classes (Policy.fp8 / TrainConfig.fp8_gemms) and the kinds above each one covers, mirrored here so
-# that this module stays jax-free (tests/test_flops.py checks them against jaxgpt.fp8.GEMM_SETS and the model's Linear
+# jaxgpt.kernels.fp8's GEMM classes (Policy.fp8 / TrainConfig.fp8_gemms) and the kinds above each one covers, mirrored here so
+# that this module stays jax-free (tests/test_flops.py checks them against jaxgpt.kernels.fp8.GEMM_SETS and the model's Linear
 # layers). The attention projections are ``attn``; attention's QK^T and PV are in no class: they stay bf16.
 FP8_GEMM_SETS: dict[str, frozenset[str]] = {
     "none": frozenset(), "lm_head": frozenset({"lm_head"}), "mlp": frozenset({"mlp"}),

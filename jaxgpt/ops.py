@@ -11,10 +11,8 @@ what changes is how XLA is allowed to run it. The parity tests check them agains
   avoids the copies XLA otherwise places around autodiff's backward dots: measured on a 2-core Intel
   Xeon, the fp32 train step of gpt2 124M at T=1024 went from 7.4 s (autodiff) to 5.7 s (this VJP with
   row-major copies) to 5.2 s (transposed operands), 1.42x in all.
-* :func:`causal_attention` — ``softmax(q k^T / sqrt(D) + causal mask) v`` blocked by queries so the masked upper
-  triangle is mostly skipped, with a hand-written backward (``Policy.attention = "einsum"``, the CPU default).
-
-(The fused lm_head + cross-entropy, the loss's own building block, is :mod:`jaxgpt.loss`.)
+(The blocked causal attention with a hand-written backward is :mod:`jaxgpt.kernels.attention`'s ``einsum``; the fused
+lm_head + cross-entropy, the loss's own building block, is :mod:`jaxgpt.kernels.loss`.)
 
 What each one saved is measured in ``BENCHMARKS.md`` and in the docstrings below; ``tests/test_ops.py`` checks
 each against the plain expression, values and gradients.
@@ -24,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from functools import partial
 
 import jax
@@ -147,114 +144,15 @@ def matmul(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], *, dtype,
     return y.reshape(*lead, w.shape[-1])
 
 
-# ---- causal self-attention ------------------------------------------------------------------------------------
-ATTENTION_QUERY_BLOCKS = 4  # query blocks of the blocked causal attention (fewer when the sequence is shorter)
+def dropout(x: Array, rate: float, key: jax.Array | None) -> Array:
+    """Inverted dropout; a no-op when ``key`` is None (evaluation) or the rate is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def _einsum(spec, a, b, dtype, precision):
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
-                      preferred_element_type=jnp.float32)
-
-
-def query_blocks(seq: int, n_blocks: int | None = None) -> list[tuple[int, int]]:
-    """The query rows ``[a, b)`` of each block of :func:`causal_attention`: ``n_blocks`` (default
-    :data:`ATTENTION_QUERY_BLOCKS`) near-equal blocks; block ``[a, b)`` sees keys ``[0, b)`` only."""
-    n = max(1, min(ATTENTION_QUERY_BLOCKS if n_blocks is None else n_blocks, seq))
-    edges = [round(i * seq / n) for i in range(n + 1)]
-    return list(zip(edges[:-1], edges[1:]))
-
-
-def _heads_first(x: Float[Array, "batch seq heads head_dim"]) -> Float[Array, "batch heads seq head_dim"]:
-    """(B, T, H, D) -> (B, H, T, D) as a real row-major copy on CPU (see :func:`materialize_transpose`), so each
-    attention matmul below is a plain batched matmul over (B, H)."""
-    y = jnp.swapaxes(x, 1, 2)
-    if platform() != "cpu":
-        return y
-    return lax.optimization_barrier(y.reshape(-1)).reshape(y.shape)
-
-
-def _blocked_forward(qh, kh, vh, dtype, precision):
-    """Per query block ``[a, b)``: probs (B, H, b - a, b) fp32 over the keys it can see, and y (B, H, T, D)."""
-    T, D = qh.shape[2], qh.shape[3]
-    scale = 1.0 / math.sqrt(D)
-    kt = transpose_operand(kh)  # (B, H, D, T)
-    probs, ys = [], []
-    for a, b in query_blocks(T):
-        scores = _einsum("bhtd,bhds->bhts", qh[:, :, a:b], kt[..., :b], dtype, precision) * scale
-        visible = jnp.arange(b)[None, :] <= jnp.arange(a, b)[:, None]  # causal; only the last a..b columns bite
-        p = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-        probs.append(p)
-        ys.append(_einsum("bhts,bhsd->bhtd", p, vh[:, :, :b], dtype, precision))
-    return probs, jnp.concatenate(ys, axis=2)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _causal_attention(q, k, v, dtype, precision):
-    qh, kh, vh = (_heads_first(x.astype(dtype)) for x in (q, k, v))
-    _, y = _blocked_forward(qh, kh, vh, dtype, precision)
-    return jnp.swapaxes(y, 1, 2)
-
-
-def _causal_attention_fwd(q, k, v, dtype, precision):
-    qh, kh, vh = (_heads_first(x.astype(dtype)) for x in (q, k, v))
-    probs, y = _blocked_forward(qh, kh, vh, dtype, precision)
-    return jnp.swapaxes(y, 1, 2), (qh, kh, vh, probs, y, jnp.zeros((), q.dtype))
-
-
-def _causal_attention_bwd(dtype, precision, res, g):
-    qh, kh, vh, probs, y, like = res
-    T, D = qh.shape[2], qh.shape[3]
-    scale = 1.0 / math.sqrt(D)
-    gh = _heads_first(g.astype(jnp.float32))  # (B, H, T, D)
-    # softmax backward: dS = P * (dP - rowsum(dP * P)), and rowsum(dP * P) = rowsum(g * y) (D wide, not S)
-    delta = jnp.sum(gh * y, axis=-1, keepdims=True)  # (B, H, T, 1); a reduction, not a matmul
-    vt = transpose_operand(vh)  # (B, H, D, T)
-    # dK and dV are built transposed, (B, H, D, T): dV^T += g^T P and dK^T += q^T dS take the small (D, t) row-major
-    # copies of g and q as left operands and P, dS as they are, where P^T g and dS^T q needed a transposed copy of
-    # every (t, S) block of P and dS (measured at gpt2's T=1024 H=12: the attention's fwd+bwd 1.3-1.4x faster)
-    gt, qt = materialize_transpose(gh.astype(dtype)), materialize_transpose(qh)  # (B, H, D, T)
-    dq, dkt, dvt = [], jnp.zeros(gt.shape, jnp.float32), jnp.zeros(gt.shape, jnp.float32)
-    for (a, b), p in zip(query_blocks(T), probs):
-        dvt = _add_to_first_columns(dvt, _einsum("bhdt,bhts->bhds", gt[..., a:b], p, dtype, precision))  # (P^T g)^T
-        dp = _einsum("bhtd,bhds->bhts", gh[:, :, a:b], vt[..., :b], dtype, precision)  # g V^T
-        ds = p * (dp - delta[:, :, a:b]) * scale
-        dq.append(_einsum("bhts,bhsd->bhtd", ds, kh[:, :, :b], dtype, precision))
-        dkt = _add_to_first_columns(dkt, _einsum("bhdt,bhts->bhds", qt[..., a:b], ds, dtype, precision))  # (dS^T q)^T
-    dq = jnp.swapaxes(jnp.concatenate(dq, axis=2), 1, 2)  # (B, T, H, D)
-    dk, dv = (jnp.transpose(d, (0, 3, 1, 2)) for d in (dkt, dvt))  # (B, H, D, T) -> (B, T, H, D)
-    return tuple(d.astype(like.dtype) for d in (dq, dk, dv))
-
-
-def _add_to_first_columns(acc: jax.Array, update: jax.Array) -> jax.Array:
-    """``acc[..., :b] += update`` for ``b = update.shape[-1]``. Over the whole last axis it is a plain add: as a
-    scatter its index is an empty constant, which jax 0.11 passes into a shard_map as an operand and Shardy's
-    canonicalizer (ManualComputationUnusedInputsPattern) then crashed XLA's compiler with (SIGSEGV)."""
-    if update.shape[-1] == acc.shape[-1]:
-        return acc + update
-    return acc.at[..., : update.shape[-1]].add(update)
-
-
-_causal_attention.defvjp(_causal_attention_fwd, _causal_attention_bwd)
-
-
-def causal_attention(
-    q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch seq heads head_dim"],
-    v: Float[Array, "batch seq heads head_dim"],
-    *,
-    dtype,
-    precision=None,
-) -> Float[Array, "batch seq heads head_dim"]:
-    """``softmax(q k^T / sqrt(D) + causal mask) v``, matmuls in ``dtype`` with fp32 accumulation, softmax in
-    fp32: the same forward as ``model.reference_attention`` without a mask, with a hand-written backward.
-
-    Blocked by queries (:func:`query_blocks`): block ``[a, b)`` multiplies only against keys ``[0, b)``, so the
-    fully masked upper triangle is mostly never computed (4 blocks: 62.5% of the dense work), and every matmul
-    is a plain batched matmul over heads-first, row-major copies of q, k and v. The softmax backward uses
-    ``rowsum(dP * P) = rowsum(g * y)``. Measured on a 2-core AMD EPYC Zen 4, forward+backward against the dense
-    einsum version this replaced: 9-10 ms vs 18-21 ms at B=8 T=256 H=4, 43-50 ms vs 67-72 ms at gpt2's T=1024 H=12
-    (which itself was 1.5-2x faster than ``jax.nn.dot_product_attention(implementation="xla")``). The backward
-    builds dK and dV transposed, so no (t, S) block of P or dS is ever transposed: on a 2-core AVX2-only AMD EPYC,
-    fwd+bwd at T=1024 H=12 went from 99-115 to 78-81 ms (best of 15, alternating in one process; torch's fused
-    CPU SDPA: 66 ms), at B=8 T=256 H=4 from 24 to 20 ms."""
-    return _causal_attention(q, k, v, jnp.dtype(dtype), precision)
+def add_bias(y: Float[Array, "... d"], bias: Float[Array, " d"] | None) -> Float[Array, "... d"]:
+    """``y + bias`` (``y`` where there is none): a Linear's bias add, as the kernel layer's ops write it (the FLOP
+    counts of parity_tests/test_flops_parity.py find bias adds by this name)."""
+    return y if bias is None else y + bias

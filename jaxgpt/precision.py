@@ -9,12 +9,16 @@ Rules (the same in jaxgpt and, through ``torch.autocast``, in torch_ref):
   the loss) runs in fp32.
 
 ``precision: fp8`` is bf16 with the forward GEMMs selected by ``Policy.fp8`` taking float8_e4m3fn operands
-(per-tensor current scaling, fp32 accumulation, bf16 straight-through backward: :mod:`jaxgpt.fp8`).
+(per-tensor current scaling, fp32 accumulation, bf16 straight-through backward: :mod:`jaxgpt.kernels.fp8`).
 
 So "bf16" here means: matmul *operands* in bf16 with fp32 accumulation. On CPU that is the only bf16 that
 pays off (bf16 -> bf16 dots are slower than fp32 in XLA:CPU); on GPU it is what tensor cores do anyway.
 
 ``matmul_precision="highest"`` pins fp32 matmuls to full fp32 (no TF32 on A100/H100); parity tests use it.
+
+The fields above are numerics; ``Policy.kernels`` says which implementation each op of the kernel layer runs (a preset,
+"xla" or "pallas", and per-op choices: :mod:`jaxgpt.kernels.registry`, docs/kernels.md), resolved and validated here
+against the numerics when the policy is built (:meth:`Policy.kernel`).
 """
 
 from __future__ import annotations
@@ -27,84 +31,45 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxgpt import fp8 as f8
 from jaxgpt import ops
 from jaxgpt.config import ConfigError, from_dict
+from jaxgpt.kernels import fp8 as f8
+from jaxgpt.kernels import registry
+from jaxgpt.kernels.registry import Kernels
 
 DType = Literal["float32", "bfloat16", "float64"]
 PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp8", "auto")  # what precision: (TrainConfig, CLIs) accepts
-Attention = Literal["auto", "xla", "cudnn", "einsum", "reference"]
-GELU = ("plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # Policy.gelu's values
-GELU_IN_GEMMS = ("pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h")  # jaxgpt.gelu_gemm's MLP
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
     compute_dtype: DType = "float32"
     param_dtype: DType = "float32"
-    # auto: cuDNN on GPU with bf16 compute; on CPU (with fast_kernels) jaxgpt.ops.causal_attention ("einsum":
-    # query-blocked einsums with a hand-written backward); XLA's jax.nn.dot_product_attention path otherwise
-    attention: Attention = "auto"
     matmul_precision: Literal["default", "high", "highest"] = "default"  # default: follow jax's config
     fast_kernels: bool = True  # jaxgpt.ops: row-major backward matmuls, chunked fused lm_head cross-entropy
-    # LayerNorm's backward (jaxgpt.norm): "plain" (autodiff of the expression) or "fused" (the forward's row
-    # statistics kept, dx in one row pass, d(scale) and d(bias) in one multi-output column pass) or "pallas" (the
-    # LayerNorms as (x, ln(x)) branches (ln_f's without x) whose backward is one Pallas Triton kernel that also adds
-    # the residual stream's gradient, writing d(scale), d(bias) partial sums, and whose forward is one too, writing
-    # ln(x) in the compute dtype; on CPUs fused's passes, so it trains as fused)
-    layer_norm: Literal["plain", "fused", "pallas"] = "plain"
-    # the MLP's c_fc GEMM + bias + GELU (jaxgpt.gelu): "plain" (autodiff: on GPUs two XLA fusions write dh in fp32
-    # and read it back) or "pallas" (a custom VJP whose GELU backward is one Pallas Triton kernel writing the GEMMs'
-    # bf16 dh and the bias gradient's partial sums; the plain expression on CPUs). Needs gemm_output float32 and no
-    # fp8 on the MLP: those policies keep their own MLP path (a recomputed bias + GELU). "pallas-gemm"
-    # (jaxgpt.gelu_gemm): GELU in the GEMMs' epilogues, the c_fc GEMM writing h and the bf16 gelu(h), c_proj's
-    # input-gradient GEMM applying gelu'(h) and writing the bf16 dh (two Pallas Triton GEMMs on GPUs with bf16
-    # compute; the same values as plain; XLA's path elsewhere); the same needs as pallas. "pallas-recompute": as
-    # pallas-gemm, but the forward does not keep h (fp32, 805 MB per layer at gpt2 b64): c_proj's input-gradient
-    # kernel computes it again from x, a second GEMM in the same kernel (the same values). "pallas-gemm-bf16h": as
-    # pallas-gemm, but h is kept for the backward in bf16: the forward's values are pallas-gemm's, gelu'(h) comes from
-    # h rounded to bf16, as in torch_ref under autocast (whose c_fc GEMM writes h in bf16): one more bf16 rounding in
-    # the gradient, the bf16 policies' bounds (parity_tests/tolerances.py); half of h's memory and traffic (403 MB
-    # less per layer at gpt2 b64). Needs bf16 compute (precision: bf16 where auto picks fp32, as on AVX2-only CPUs)
-    gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"
-    # the attention's q, k and v projections (jaxgpt.qkv): "plain" (on GPUs each GEMM writes fp32 and attention's
-    # convert pass adds the bias and rounds to bf16) or "pallas" (one Pallas Triton GEMM each whose epilogue adds the
-    # bias and writes the bf16 that attention takes, and one GEMM for their input gradient that also sums the bias
-    # gradient: the same values but for the order of fp32 sums; GPUs with bf16 compute, the plain path elsewhere).
-    # Needs gemm_output float32 and no fp8 on the attention's GEMMs
-    qkv: Literal["plain", "pallas"] = "plain"
-    # the fused loss's logits GEMM (jaxgpt.fused_loss.logits_lse): "plain" (on GPUs XLA's GEMM, then a pass reads each
-    # chunk's logits for their row max and sum of exp) or "pallas" (a Pallas Triton GEMM that writes the bf16 logits
-    # and each tile's row max and sum of exp: no such pass; the same numbers but for the order of the sum). Needs
-    # logits_dtype bfloat16 and no fp8 lm_head; bf16 compute on GPUs, the plain path elsewhere
-    lm_head: Literal["plain", "pallas"] = "plain"
-    # the attention's c_proj (jaxgpt.norm.layer_norm_branch's proj): "plain" (its output is added to the residual
-    # stream by ln_2's kernel; on GPUs an XLA pass reads that sum's fp32 gradient back to round it to bf16 for c_proj's
-    # backward GEMMs and to sum it for its bias gradient) or "pallas" (ln_2's backward kernel writes the rounded copy
-    # and the sum's partials itself; under gelu pallas-gemm (-recompute, -bf16h) the MLP's input-gradient GEMM does the
-    # same for the MLP's c_proj: the same values but for the order of the bias gradients' sums). Needs layer_norm
-    # pallas, gemm_output float32, fast_kernels and no fp8 on the attention's GEMMs
-    c_proj: Literal["plain", "pallas"] = "plain"
     # the dtype every activation matmul rounds its fp32-accumulated result to: the forward Linear and attention
     # outputs and the backward's input gradients (weight gradients stay fp32); "bfloat16" is torch.autocast's bf16
     # GEMM output (needs compute_dtype bfloat16). Bias adds then promote to fp32 as in torch_ref, so GELU, the
     # residual stream and LayerNorm stay fp32: what it removes is the fp32 copy of each GEMM output in memory
     gemm_output: Literal["float32", "bfloat16"] = "float32"
-    # the dtype the lm_head's logits are written in (jaxgpt.fused_loss: logits_dtype); the loss and its gradient
+    # the dtype the lm_head's logits are written in (jaxgpt.kernels.loss: logits_dtype); the loss and its gradient
     # are computed in fp32 from them. "bfloat16": torch.autocast's bf16 lm_head output (torch_ref then calls .float()),
     # named by bf16_autocast and an opt-in of the others (TrainConfig.logits_dtype; its loss bound:
     # parity_tests/tolerances.py, bf16 logits). With fp32 compute the fp32 GEMM result is rounded to bf16
     logits_dtype: Literal["float32", "bfloat16"] = "float32"
-    # which forward GEMMs take e4m3 operands (jaxgpt.fp8: per-tensor current scaling, fp32 accumulation, backward
-    # in compute_dtype): "none", "lm_head", "mlp", "mlp+lm_head" or "all" (+ the attention projections)
+    # the dtype the MLP keeps its c_fc output h in for GELU's backward: "bfloat16" takes gelu'(h) from h rounded to
+    # bf16, as torch_ref under autocast (whose c_fc GEMM writes h in bf16): one more bf16 rounding in the gradient
+    # (the bf16 policies' bounds, parity_tests/tolerances.py), half of h's memory and traffic (403 MB less per layer
+    # at gpt2 b64). Needs bf16 compute, gemm_output float32, no fp8 MLP GEMMs (jaxgpt.kernels.mlp)
+    gelu_h_dtype: Literal["float32", "bfloat16"] = "float32"
+    # which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8: per-tensor current scaling, fp32 accumulation,
+    # backward in compute_dtype): "none", "lm_head", "mlp", "mlp+lm_head" or "all" (+ the attention projections)
     fp8: f8.Gemms = "none"
+    # which implementation each op runs (jaxgpt.kernels.registry; docs/kernels.md): a preset and per-op choices
+    kernels: Kernels = Kernels()
 
     def __post_init__(self) -> None:
-        if self.layer_norm not in ("plain", "fused", "pallas"):
-            raise ConfigError(f"Policy.layer_norm = {self.layer_norm!r}: allowed values are 'plain', 'fused', "
-                              "'pallas'")
-        if self.gelu not in GELU:
-            raise ConfigError(f"Policy.gelu = {self.gelu!r}: allowed values are {', '.join(map(repr, GELU))}")
+        object.__setattr__(self, "kernels", Kernels.parse(self.kernels))
         if self.logits_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"Policy.logits_dtype = {self.logits_dtype!r}: allowed values are 'float32', 'bfloat16'")
         if self.param_dtype != "float32" and not (self.param_dtype == self.compute_dtype == "float64"):
@@ -120,43 +85,29 @@ class Policy:
                                    or not self.fast_kernels):
             raise ConfigError(f"Policy.fp8 = {self.fp8!r} needs compute_dtype bfloat16 (or float32), gemm_output "
                               "float32 and fast_kernels: use Policy.fp8_policy() or precision: fp8")
-        if self.qkv not in ("plain", "pallas"):
-            raise ConfigError(f"Policy.qkv = {self.qkv!r}: allowed values are 'plain', 'pallas'")
-        if self.qkv == "pallas" and (self.gemm_output != "float32" or self.fp8_on("attn")
-                                     or self.attention == "einsum"):
-            raise ConfigError(f"Policy.qkv = 'pallas' rounds the fp32 GEMM output of q, k and v once, in the GEMM, for "
-                              f"an attention that rounds them anyway; got gemm_output {self.gemm_output!r}, fp8 "
-                              f"{self.fp8!r}, attention {self.attention!r} (einsum's backward would round dq, dk, dv "
-                              "too): use precision bf16 or fp32 (or fp8 without its attention GEMMs) and attention "
-                              "auto, or qkv: plain")
-        if self.lm_head not in ("plain", "pallas"):
-            raise ConfigError(f"Policy.lm_head = {self.lm_head!r}: allowed values are 'plain', 'pallas'")
-        if self.lm_head == "pallas" and (self.logits_dtype != "bfloat16" or self.fp8_on("lm_head")
-                                         or not self.fast_kernels):
-            raise ConfigError(f"Policy.lm_head = 'pallas' writes the fused loss's logits in bf16 (got logits_dtype "
-                              f"{self.logits_dtype!r}, fp8 {self.fp8!r}, fast_kernels {self.fast_kernels}): set "
-                              "logits_dtype: bfloat16 (and no fp8 lm_head), or lm_head: plain")
-        if self.c_proj not in ("plain", "pallas"):
-            raise ConfigError(f"Policy.c_proj = {self.c_proj!r}: allowed values are 'plain', 'pallas'")
-        if self.c_proj == "pallas" and (self.layer_norm != "pallas" or self.gemm_output != "float32"
-                                        or self.fp8_on("attn") or not self.fast_kernels):
-            raise ConfigError(f"Policy.c_proj = 'pallas' hands the attention's c_proj to ln_2's Pallas kernels with the "
-                              f"default numerics; got layer_norm {self.layer_norm!r}, gemm_output {self.gemm_output!r}, "
-                              f"fp8 {self.fp8!r}, fast_kernels {self.fast_kernels}: set layer_norm: pallas (with "
-                              "precision bf16 or fp32, no fp8 attention GEMMs), or c_proj: plain")
-        if self.gelu != "plain" and (self.gemm_output != "float32" or self.fp8_on("mlp")
-                                       or self.compute_dtype not in ("bfloat16", "float32") or not self.fast_kernels):
-            raise ConfigError(f"Policy.gelu = {self.gelu!r} replaces the MLP backward of the default numerics (bf16 or "
-                              f"fp32 compute, gemm_output float32, no fp8 MLP GEMMs, fast_kernels); got compute_dtype "
-                              f"{self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 {self.fp8!r}, "
-                              f"fast_kernels {self.fast_kernels}: use precision "
-                              f"{'bf16' if self.gelu == 'pallas-gemm-bf16h' else 'bf16 or fp32'}, or gelu: plain")
-        if self.gelu == "pallas-gemm-bf16h" and self.compute_dtype != "bfloat16":
-            raise ConfigError(f"Policy.gelu = 'pallas-gemm-bf16h' keeps h in bf16 for a bf16 policy's backward; got "
-                              f"compute_dtype {self.compute_dtype!r}: use precision bf16, or gelu: pallas-gemm")
+        if self.gelu_h_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"Policy.gelu_h_dtype = {self.gelu_h_dtype!r}: allowed values are 'float32', 'bfloat16'")
+        if self.gelu_h_dtype == "bfloat16" and (self.compute_dtype != "bfloat16" or self.gemm_output != "float32"
+                                                or self.fp8_on("mlp") or not self.fast_kernels):
+            raise ConfigError(f"Policy.gelu_h_dtype = 'bfloat16' keeps h in bf16 for a bf16 policy's backward; got "
+                              f"compute_dtype {self.compute_dtype!r}, gemm_output {self.gemm_output!r}, fp8 "
+                              f"{self.fp8!r}: use precision bf16, or gelu_h_dtype: float32")
         if self.compute_dtype == "float64" and (self.param_dtype != "float64" or self.fast_kernels):
             raise ConfigError("Policy: float64 compute is the reference policy only: use Policy.fp64() (float64 "
                               "params, fast_kernels=False)")
+        object.__setattr__(self, "_impls", registry.resolve(self.kernels.preset, self.kernels.overrides(), self))
+
+    def __str__(self) -> str:  # the fields, then what each op runs (the benchmarks record it)
+        return f"{self!r}: " + ", ".join(f"{op}={name}" for op, name in self._impls.items())
+
+    @property
+    def implementations(self) -> dict[str, str]:
+        """What every op of the kernel layer runs under this policy: {op: implementation}."""
+        return dict(self._impls)
+
+    def kernel(self, op: str) -> str:
+        """The implementation ``op`` runs under this policy (:mod:`jaxgpt.kernels.registry`)."""
+        return self._impls[op]
 
     # ---- named policies -----------------------------------------------------------------------------
     @classmethod
@@ -177,7 +128,7 @@ class Policy:
     @classmethod
     def fp8_policy(cls, gemms: str = f8.DEFAULT_GEMMS, **kw) -> "Policy":
         """``precision: fp8``: the bf16 policy with the forward GEMMs named by ``gemms`` (see :attr:`fp8`) in e4m3
-        (jaxgpt.fp8)."""
+        (jaxgpt.kernels.fp8)."""
         return cls(compute_dtype="bfloat16", fp8=gemms, **kw)
 
     @classmethod
@@ -187,7 +138,8 @@ class Policy:
         float32)."""
         if not jax.config.jax_enable_x64:
             raise ConfigError("Policy.fp64() needs 64-bit jax: run it inside `with jax.enable_x64(True):`")
-        return cls(compute_dtype="float64", param_dtype="float64", attention="reference", fast_kernels=False)
+        return cls(compute_dtype="float64", param_dtype="float64", fast_kernels=False,
+                   kernels=Kernels(attention="reference"))
 
     @classmethod
     def named(cls, name: str, *, fp8_gemms: str | None = None, logits_dtype: str | None = None, **kw) -> "Policy":
@@ -264,15 +216,16 @@ class Policy:
                ) -> Float[Array, "... d_out"]:
         """``x @ w`` under the policy (what every Linear layer calls; ``gemm``: its kind for :attr:`fp8`), its result
         in :attr:`out_dtype`."""
-        if self.fp8_on(gemm):  # e4m3 operands, fp32 result, a compute_dtype backward (jaxgpt.fp8)
+        if self.fp8_on(gemm):  # e4m3 operands, fp32 result, a compute_dtype backward (jaxgpt.kernels.fp8)
             return f8.matmul(x, w, dtype=self.dtype, precision=self.lax_precision)
         if self.fast_kernels:  # same product; a backward laid out for XLA:CPU (jaxgpt.ops.matmul)
             return ops.matmul(x, w, dtype=self.dtype, precision=self.lax_precision, out_dtype=self.out_dtype)
         return ops.round_to(self.einsum("...i,io->...o", x, w), self.out_dtype).astype(self.out_dtype)
 
     def attention_impl(self) -> Literal["xla", "cudnn", "einsum", "reference"]:
-        if self.attention != "auto":
-            return self.attention
+        impl = self.kernel("attention")
+        if impl != "auto":
+            return impl
         backend = ops.platform()
         if backend == "gpu" and self.compute_dtype == "bfloat16":
             return "cudnn"

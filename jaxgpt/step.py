@@ -36,7 +36,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt import fp8, ops
+from jaxgpt import ops
+from jaxgpt.kernels import fp8
 from jaxgpt import mesh as mesh_lib
 from jaxgpt.config import GPTConfig
 from jaxgpt.model import GPT, TokenError, check_tokens
@@ -231,7 +232,7 @@ def compiler_options(graphdef: nnx.GraphDef, mesh: Mesh) -> dict[str, Any] | Non
 
 def platform_compiler_options(graphdef: nnx.GraphDef, platform: str) -> dict[str, Any] | None:
     """The XLA options a program of ``graphdef``'s model is jitted with on ``platform`` (None: XLA's defaults): a
-    model with fp8 GEMMs gets :func:`jaxgpt.fp8.compiler_options` on GPUs (cuBLASLt fp8 GEMMs); every other program is
+    model with fp8 GEMMs gets :func:`jaxgpt.kernels.fp8.compiler_options` on GPUs (cuBLASLt fp8 GEMMs); every other program is
     compiled as it always was. The policy is read from the graphdef (a static attribute of every module), so
     training, ``jaxgpt.compile``, the GPU benchmarks and generation (jaxgpt.generate) compile their programs alike."""
     gemms = {a.value.fp8 for _, a in graphdef.attributes if isinstance(getattr(a, "value", None), Policy)}

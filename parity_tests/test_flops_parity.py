@@ -138,9 +138,9 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "a
 # multiply), where jax 0.10 wrote those ops out in the jaxpr itself.
 _LOWERED_OPS = {"one_minus_square": 3}
 _CATEGORY = [  # (substring of the op's source location, category)
-    ("LayerNorm.__call__", "layernorm"), ("LayerNorm.branch", "residual"),  # branch(x, add=a): its x + a
-    ("MLP.__call__", "gelu"), ("Linear.__call__", "bias"),
-    ("(attention)", "attention"), ("ops.py", "loss"), ("cross_entropy", "loss"), ("Embed", "embedding"),
+    ("(add_layer_norm)", "residual"), ("layer_norm.py", "layernorm"),  # add_layer_norm's x + a, then the LayerNorm
+    ("(add_bias)", "bias"), ("kernels/mlp.py", "gelu"), ("Linear.__call__", "bias"),
+    ("kernels/attention.py", "attention"), ("ops.py", "loss"), ("cross_entropy", "loss"), ("Embed", "embedding"),
     ("hidden", "embedding"), ("Block.__call__", "residual"), ("CausalSelfAttention", "residual"),
     ("optax", "optimizer"),
 ]
@@ -303,7 +303,9 @@ def test_fused_cross_entropy_chunks(monkeypatch):
     fewer than one per chunk; none here: mini has 256 tokens, Vp = 50304, and a budget of 200 rows makes 2
     chunks of 128 rows), over the real vocabulary only; the default attention skips most of the masked upper
     triangle; and XLA's cost_analysis counts a while-loop body once, so it *under*-counts the loss."""
-    from jaxgpt import fused_loss, ops
+    from jaxgpt import ops
+    from jaxgpt.kernels import attention
+    from jaxgpt.kernels import loss as fused_loss
 
     name = "mini-padded"
     cfg, batch, seq = CONFIGS[name]
@@ -319,7 +321,7 @@ def test_fused_cross_entropy_chunks(monkeypatch):
     # columns, and the blocked causal attention's upper triangle (6 matmuls of 2 B D N per computed (query, key))
     V = cfg.vocab_size
     skipped_vocab = 3 * 2 * M * C * (Vp - V)
-    computed = sum((b - a) * b for a, b in ops.query_blocks(seq))
+    computed = sum((b - a) * b for a, b in attention.query_blocks(seq))
     skipped_attention = cfg.n_layer * 6 * 2 * batch * C * (seq * seq - computed)
     assert skipped_vocab > 0 and skipped_attention > 0
     assert costs["jaxpr"]["matmul"] == analytic + 3 * 2 * padded_rows * C * V - skipped_vocab - skipped_attention

@@ -76,11 +76,11 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.mark.parametrize("name,attention", [("tiny", "einsum"), ("tiny", "xla"), ("gpt2", "einsum"),
                                             pytest.param("gpt2", "xla", marks=pytest.mark.slow)])
 def test_fp32_gradients_agree(name, attention, device, hf_checkpoint, parity_report):
-    """einsum: ops.causal_attention's hand-written backward (the CPU default); xla: jax.nn.dot_product_attention."""
+    """einsum: jaxgpt.kernels.attention.causal_attention's hand-written backward (the CPU default); xla: jax.nn.dot_product_attention."""
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):
-        g_jax = jax_grads(directory, x, y, Policy.fp32(attention=attention))
+        g_jax = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": attention}))
     g_ref = torch_grads(torch_from_hf(directory), x, y, device)
     g_hf = torch_grads(copy.deepcopy(hf), x, y, device, prefix="transformer.")
     assert set(g_jax) == set(g_ref) == set(g_hf), "every parameter has a gradient in all three"
@@ -100,7 +100,7 @@ def test_tied_embedding_gradient_is_lookup_plus_head(device, hf_checkpoint, pari
     directory, hf = hf_checkpoint("tiny")
     x, y = batch("tiny")
     with on_device(device):
-        g_jax = jax_grads(directory, x, y, Policy.fp32(attention="xla"))["wte.weight"]
+        g_jax = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": "xla"}))["wte.weight"]
     untied = copy.deepcopy(hf).to(device)
     untied.config.tie_word_embeddings = False
     untied.lm_head.weight = torch.nn.Parameter(untied.transformer.wte.weight.detach().clone())
@@ -116,16 +116,17 @@ def test_tied_embedding_gradient_is_lookup_plus_head(device, hf_checkpoint, pari
                   lookup_share=np.linalg.norm(lookup) / np.linalg.norm(lookup + head))
 
 
-@pytest.mark.parametrize("gelu", ["plain", "pallas-gemm-bf16h"])  # bf16h: one more rounding (tolerances.py)
+# "pallas-gemm-bf16h" (the report's name since it was gelu's option): gelu_h_dtype bfloat16, one more rounding
+@pytest.mark.parametrize("gelu", ["plain", "pallas-gemm-bf16h"])
 @pytest.mark.parametrize("name", ["tiny", pytest.param("gpt2", marks=pytest.mark.slow)])
 def test_bf16_gradients_close_to_fp32(name, gelu, device, hf_checkpoint, parity_report):
-    """The bf16 policy's gradients (and with gelu: pallas-gemm-bf16h, h kept in bf16 for GELU's backward) against
+    """The bf16 policy's gradients (and with gelu_h_dtype: bfloat16, h kept in bf16 for GELU's backward) against
     jaxgpt's fp32 ones, as torch autocast's against them: every tensor within GRAD_BF16_COS and GRAD_BF16_REL."""
     directory, hf = hf_checkpoint(name)
     x, y = batch(name)
     with on_device(device):
-        g32 = jax_grads(directory, x, y, Policy.fp32(attention="xla"))
-        g16 = jax_grads(directory, x, y, Policy.bf16(gelu=gelu))
+        g32 = jax_grads(directory, x, y, Policy.fp32(kernels={"attention": "xla"}))
+        g16 = jax_grads(directory, x, y, Policy.bf16(gelu_h_dtype="float32" if gelu == "plain" else "bfloat16"))
     t16 = torch_grads(torch_from_hf(directory), x, y, device, bf16=True)
     measured = {}
     for who, g in (("jaxgpt", g16), ("torch_autocast", t16)):

@@ -79,7 +79,7 @@ def _rel(a: float, b: float) -> float:
 def test_fp32_logits_and_loss(name, attention, device, oracles, parity_report):
     o = oracles.get(name, device)
     with on_device(device):
-        model = from_hf(o["directory"], policy=Policy.fp32(attention=attention, matmul_precision="highest"))
+        model = from_hf(o["directory"], policy=Policy.fp32(matmul_precision="highest", kernels={"attention": attention}))
         jax_logits, jax_loss = jax_logits_and_loss(model, o["tokens"])
         # the loss through the plain (unfused) cross-entropy of the logits, too
         plain_loss = float(cross_entropy(jax_logits[:, :-1], o["tokens"][:, 1:]))

@@ -185,7 +185,7 @@ def adamw_fp32_runs():
 
 
 @pytest.mark.slow  # ~2-3 min on 2 cores: four 20-step runs
-# bf16-logits: bf16 with bf16 logits; bf16-gelu-bf16h: bf16 with gelu: pallas-gemm-bf16h (h kept in bf16)
+# bf16-logits: bf16 with bf16 logits; bf16-gelu-bf16h: bf16 with gelu_h_dtype: bfloat16 (h kept in bf16)
 @pytest.mark.parametrize("precision", ["bf16", "bf16-autocast", "bf16-logits", "bf16-gelu-bf16h"])
 def test_adamw_20_steps_bf16_within_torch_autocast_noise(device, precision, adamw_fp32_runs, parity_report):
     """20 AdamW steps (those of test_adamw_20_steps) under a bf16 policy move jaxgpt's losses and parameters from
@@ -197,7 +197,7 @@ def test_adamw_20_steps_bf16_within_torch_autocast_noise(device, precision, adam
     runs = adamw_fp32_runs(device)
     (j32, p_j32), (t32, p_t32), (t16, p_t16) = runs["jax"], runs["torch"], runs["torch_bf16"]
     named = {"bf16-logits": ("bf16", {"logits_dtype": "bfloat16"}),
-             "bf16-gelu-bf16h": ("bf16", {"gelu": "pallas-gemm-bf16h"})}.get(precision, (precision, {}))
+             "bf16-gelu-bf16h": ("bf16", {"kernels": {"mlp": "pallas-gemm"}, "gelu_h_dtype": "bfloat16"})}.get(precision, (precision, {}))
     policy = Policy.named(named[0], matmul_precision="highest", **named[1])
     j16, p_j16 = jax_adamw_run(policy, runs["data"], device)
     bound = bf16_train_loss_bound(t32, t16)

@@ -71,7 +71,7 @@ def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
     return [LOSS_FP32_REL * abs(loss) + BF16_TRAIN_NOISE_FACTOR * envelope for loss in torch_fp32_losses]
 
 # logits_dtype: bfloat16 (Policy.logits_dtype; TrainConfig.logits_dtype, an opt-in of precision bf16 / fp8 / fp32 and
-# bf16-autocast's own): the lm_head's fp32-accumulated logits z are written once in bf16 (jaxgpt.fused_loss), the loss
+# bf16-autocast's own): the lm_head's fp32-accumulated logits z are written once in bf16 (jaxgpt.kernels.loss), the loss
 # and its gradient then computed in fp32 from them. Rounding to nearest with 8 significant bits moves a logit by at
 # most half an ulp of its binade, |d_v| = |bf16(z_v) - z_v| <= u |z_v| with u = BF16_UNIT_ROUNDOFF = 2^-8 (not 2^-9:
 # 1 + 2^-8 is a tie that rounds to 1, a relative error of 2^-8 / (1 + 2^-8); measured max |d| / |z| = 0.996 u over a
@@ -82,7 +82,7 @@ def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
 #       |dCE_i| <= range_v(d_iv) <= 2 u max_v |z_iv|   (bf16_logits_loss_bounds),
 #   the mean loss by at most the mean of these. Tight per position: where p_i sits on one token a != y_i,
 #   dCE_i ~ d_a - d_y, two roundings that may have opposite signs; measured (a tiny GPT, 512 positions, logits up to
-#   0.7 / 27, on the AVX2-only AMD EPYC; tests/test_logits_dtype.py runs the second) max_i |dCE_i| / range_i = 0.56 /
+#   0.7 / 27, on the AVX2-only AMD EPYC; tests/kernels/test_loss_logits_dtype.py runs the second) max_i |dCE_i| / range_i = 0.56 /
 #   0.92 and max_i |dCE_i| / (2 u max|z_i|) = 0.36 / 0.53. For the mean it is the worst case of every position's
 #   roundings adding up; independent roundings cancel (measured |dL| / bound = 0.004 / 0.023), so the mean loss is
 #   held instead to what its own rounded logits say: cross_entropy_shift below with the actual d, whose remainder
@@ -107,9 +107,9 @@ def bf16_train_loss_bound(torch_fp32_losses, torch_bf16_losses):
 #   (whose logits are bf16 too). Measured: 7.4e-5 from its fp32 run (0.88x torch's envelope 8.4e-5), 6.0e-5 from
 #   torch autocast; final parameters 9.84e-3 from its fp32 run (1.00x torch's).
 #
-# gelu: pallas-gemm-bf16h (Policy.gelu; jaxgpt.gelu_gemm with h_dtype bf16): the bf16 policy with c_fc's output h kept
+# gelu_h_dtype: bfloat16 (Policy.gelu_h_dtype; jaxgpt.kernels.mlp with h_dtype bf16): the bf16 policy with c_fc's output h kept
 # for GELU's backward rounded to bf16. The forward is the bf16 policy's bit for bit (gelu(h) from the fp32 h;
-# tests/test_gelu_gemm.py); the backward's gelu'(h) comes from the rounded h, |bf16(h) - h| <= u |h|
+# tests/kernels/test_mlp.py); the backward's gelu'(h) comes from the rounded h, |bf16(h) - h| <= u |h|
 # (u = BF16_UNIT_ROUNDOFF), so gelu'(h) moves by |gelu''(xi)| u |h| for some xi between the two, at most
 # u max_x |x gelu''(x)| / (1 - u) = 0.332 u (max |x gelu''(x)| = 0.3309 at |x| = 0.662 for the tanh form; max |gelu''| =
 # 0.798, at 0), and dh = g gelu'(h) by at most 0.34 u |g| before its own bf16 rounding (u |g| |gelu'(h)|, which every
@@ -251,7 +251,7 @@ def muon_bf16_loss_bound(ref_losses, referee_losses):
     envelope = max(abs(loss - referee) for loss, referee in zip(ref_losses, referee_losses, strict=True))
     return [LOSS_FP32_REL * abs(loss) + MUON_BF16_NOISE_FACTOR * envelope for loss in ref_losses]
 
-# ---- fp8 forward GEMMs (test_fp8_parity.py, jaxgpt.fp8 / torch_ref.fp8) ------------------------------------------
+# ---- fp8 forward GEMMs (test_fp8_parity.py, jaxgpt.kernels.fp8 / torch_ref.fp8) ------------------------------------------
 # e4m3 keeps 3 mantissa bits: rounding a normal value costs at most half an ulp, 2^-4 relative (2^-3 for the
 # subnormals below 2^-6 x scale), against bf16's 2^-8 (7 bits); the scales are powers of two, so scaling is exact and
 # the quantization is the same in both frameworks bit for bit (tested), and e4m3 x e4m3 products are exact in fp32.
@@ -271,8 +271,9 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8
 FP8_FLIP_RATIO = 2 * math.sqrt(12 * 2.0 ** -11)
 # Training: once a flip moves one run's weights, later quantizations see different inputs, flips multiply and the two
 # fp8 runs decorrelate into two draws of e4m3 noise around the same trajectory; each is as far from the fp32 run as
-# the other, so |jaxgpt8 - torch8| <= |jaxgpt8 - fp32| + |torch8 - fp32| ~ 2 x the envelope max_s |jaxgpt8 - fp32|
-# (as MUON_BF16_NOISE_FACTOR). Before the first update the quantization is identical: step 0 is held to
+# the other, so |jaxgpt8 - torch8| <= |jaxgpt8 - fp32| + |torch8 - fp32| ~ 2 x the envelope max_s |torch8 - fp32|
+# (torch's drift, as bf16_train_loss_bound takes torch autocast's, so that a jaxgpt bug cannot widen it; as
+# MUON_BF16_NOISE_FACTOR). Before the first update the quantization is identical: step 0 is held to
 # TRAIN_LOSS_ABS. Measured: steps 0-3 differ by <= 4.8e-7, max 2.8e-4 over 20 steps against an envelope of 8.1e-4
 # (0.34x); parameters 1.7e-3 against fp8's 2.0e-2 from fp32.
 FP8_TRAIN_FACTOR = 2.0

@@ -220,7 +220,7 @@ def test_fp8_memory_terms_by_hand():
     head = acc.estimate_memory(cfg, batch_size=64, precision="fp8", fp8_gemms="lm_head", device="cpu")
     assert head.fp8.gemm_calls == 1 and head.fp8.layer_operands == 0
     assert acc.estimate_memory(cfg, batch_size=2, precision="fp8", device="cpu").fp8.gemm_calls == 12 * 4 + 1
-    from jaxgpt import fp8 as f8
+    from jaxgpt.kernels import fp8 as f8
 
     assert acc.FP8_SCALE_BYTES == f8.scales_bytes(1) and f8.scales_bytes(73) == 584
     with pytest.raises(acc.AccountError, match="needs fast_kernels"):
@@ -454,8 +454,10 @@ def test_memory_estimate_matches_xla_memory_analysis(cfg, batch, seq, prec):
 
 def test_mirrored_kernel_constants_match_jaxgpt_ops():
     """The accountant stays jax-free, so it mirrors ops' chunk and block constants: they must agree, and its
-    count of the keys the blocked attention computes must match ops.query_blocks."""
-    from jaxgpt import fused_loss, ops
+    count of the keys the blocked attention computes must match jaxgpt.kernels.attention.query_blocks."""
+    from jaxgpt import ops
+    from jaxgpt.kernels import attention
+    from jaxgpt.kernels import loss as fused_loss
 
     assert acc.CE_CHUNK_ELEMENTS == fused_loss.CE_CHUNK_ELEMENTS
     assert acc.CE_CHUNK_ELEMENTS_GPU == fused_loss.CE_CHUNK_ELEMENTS_GPU
@@ -464,8 +466,8 @@ def test_mirrored_kernel_constants_match_jaxgpt_ops():
             for n, v, fp8 in itertools.product((1, 17, 256, 1000, 2048, 16384, 65536), (65, 50257, 50304),
                                                (False, True)):
                 assert acc.loss_chunk_rows(n, v, gpu=gpu, fp8=fp8) == fused_loss._chunk_rows(n, v, fp8=fp8), (n, v, gpu)
-    assert acc.ATTENTION_QUERY_BLOCKS == ops.ATTENTION_QUERY_BLOCKS
+    assert acc.ATTENTION_QUERY_BLOCKS == attention.ATTENTION_QUERY_BLOCKS
     for T in (1, 3, 37, 256, 1024):
-        keys = sum((b - a) * b for a, b in ops.query_blocks(T)) / T
+        keys = sum((b - a) * b for a, b in attention.query_blocks(T)) / T
         assert acc.visible_keys_per_query(T) == pytest.approx(keys)
     assert acc.visible_keys_per_query(1024) == pytest.approx(0.625 * 1024)

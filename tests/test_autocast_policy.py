@@ -25,7 +25,7 @@ def test_named_policy_and_its_fields():
     assert (b.gemm_output, b.logits_dtype, b.out_dtype) == ("float32", "float32", jnp.float32)
     # each numerics change is a field of its own: bf16 plus one field is a program of its own
     assert Policy.bf16(gemm_output="bfloat16") != p and Policy.bf16(logits_dtype="bfloat16") != p
-    assert Policy.named("bf16-autocast", attention="xla").attention == "xla"
+    assert Policy.named("bf16-autocast", kernels={"attention": "xla"}).kernel("attention") == "xla"
     assert "bf16-autocast" in PRECISIONS
 
 

@@ -80,7 +80,7 @@ def test_hlo_reader_counts_a_cpu_programs_gemm_flops_as_jaxgpt_flops():
     from jaxgpt.model import GPT
 
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96)
-    model = GPT(cfg, policy=Policy.fp32(fast_kernels=False, attention="reference"), rngs=nnx.Rngs(0))
+    model = GPT(cfg, policy=Policy.fp32(fast_kernels=False, kernels={"attention": "reference"}), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     idx = jnp.zeros((2, 16), jnp.int32)
     fwd = jax.jit(lambda p, i: nnx.merge(graphdef, p)(i))
@@ -200,7 +200,7 @@ def test_tiny_step_compiles_for_h100_with_cudnn_attention_bf16_gemms_and_donatio
 
 @needs_plugin
 def test_tiny_step_with_precision_fp8_has_cublaslt_fp8_gemms_for_every_linear_layer():
-    """precision: fp8 (jaxgpt.fp8): each layer's forward Linear GEMMs take e4m3 operands in the compiled H100 step:
+    """precision: fp8 (jaxgpt.kernels.fp8): each layer's forward Linear GEMMs take e4m3 operands in the compiled H100 step:
     q, k, v (at the tiny width XLA's dot merger joins the three GEMMs of one input into one; gpt2-124m keeps 3 x 12),
     attn.c_proj, c_fc, mlp.c_proj; and the lm_head's logits GEMM (one, in the fused loss's chunk loop); everything
     else stays bf16 x bf16 -> f32. Every e4m3 GEMM is a cuBLASLt fp8 call (``__cublas$lt$matmul$f8``), none a Triton

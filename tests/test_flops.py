@@ -161,11 +161,11 @@ def test_fp8_kinds_never_include_attention_matmuls_or_backward():
 
 
 def test_fp8_gemm_sets_mirror_jaxgpt_fp8_and_the_model():
-    """flops stays jax-free, so it mirrors jaxgpt.fp8's GEMM classes; they must agree, and each Linear layer's
+    """flops stays jax-free, so it mirrors jaxgpt.kernels.fp8's GEMM classes; they must agree, and each Linear layer's
     ``gemm`` kind must be the class its FLOP kind is counted in."""
     from flax import nnx
 
-    from jaxgpt import fp8
+    from jaxgpt.kernels import fp8
     from jaxgpt.model import GPT
     from jaxgpt.precision import Policy
 
@@ -211,7 +211,7 @@ def test_fp8_split_equals_the_dots_of_the_train_step(gemms):
     from jaxgpt.precision import Policy
 
     cfg, B, T = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=96), 2, 64
-    policy = Policy.fp8_policy(gemms, attention="xla")
+    policy = Policy.fp8_policy(gemms, kernels={"attention": "xla"})
     graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: GPT(cfg, policy=policy, rngs=nnx.Rngs(0))),
                                        nnx.Param, ...)
     tok = jax.ShapeDtypeStruct((B, T), jnp.int32)

@@ -76,7 +76,7 @@ def test_every_opt_in_variant_names_a_policy_the_gpu_worker_can_build():
 
 @pytest.mark.slow  # ~3.5 min on 2 cores (12 variants trained through the worker); the default variant's dry run covers
 def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):  # the same worker code path
-    """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with the Pallas GELU backward) run
+    """Issues 32/33's programs (bf16-autocast, + fused LayerNorm, fp8, bf16 with each op's Pallas kernels) run
     through the GPU worker (dry: the CPU, a tiny batch), so the next lent GPU measures them beside jax_bf16 with
     `benchmarks.gpu.bench --variants ...`."""
     res = gpu_bench.run(dry=True, batches=[2], eager_batches=[], medium_batch=None, steps=5, budget_s=600,
@@ -84,23 +84,20 @@ def test_the_opt_in_variants_run_the_gpu_code_path_with_their_policies(results):
     rows = {r["variant"]: r for r in res["rows"]}
     assert set(rows) == set(gpu_bench.OPT_IN_VARIANTS) and not any("error" in r for r in rows.values()), rows
     policy = {v: r["details"]["policy"] for v, r in rows.items()}
-    assert "gemm_output='bfloat16'" in policy["jax_bf16_autocast"] and "layer_norm='plain'" in policy["jax_bf16_autocast"]
-    assert "gemm_output='bfloat16'" in policy["jax_autocast_fused_ln"] and "layer_norm='fused'" in policy["jax_autocast_fused_ln"]
+    assert "gemm_output='bfloat16'" in policy["jax_bf16_autocast"] and "layer_norm=xla" in policy["jax_bf16_autocast"]
+    assert "gemm_output='bfloat16'" in policy["jax_autocast_fused_ln"] and "layer_norm=fused" in policy["jax_autocast_fused_ln"]
     assert "fp8='all'" in policy["jax_fp8"]
-    assert "compute_dtype='bfloat16'" in policy["jax_bf16_gelu_pallas"] and "gelu='pallas'" in policy["jax_bf16_gelu_pallas"]
-    assert "gelu='plain'" in policy["jax_bf16_autocast"]
-    assert "compute_dtype='bfloat16'" in policy["jax_bf16_ln_pallas"] and "layer_norm='pallas'" in policy["jax_bf16_ln_pallas"]
-    assert "layer_norm='pallas'" in policy["jax_bf16_pallas"] and "gelu='pallas'" in policy["jax_bf16_pallas"]
-    assert "logits_dtype='bfloat16'" in policy["jax_bf16_fast"] and "logits_dtype='float32'" in policy["jax_bf16_pallas"]
-    assert "gelu='pallas-gemm'" in policy["jax_bf16_gelu_gemm"] and "layer_norm='plain'" in policy["jax_bf16_gelu_gemm"]
-    assert "gelu='pallas-gemm-bf16h'" in policy["jax_bf16_fast"] and "layer_norm='pallas'" in policy["jax_bf16_fast"]
-    assert policy["jax_bf16_fast_h32"] == policy["jax_bf16_fast"].replace("gelu='pallas-gemm-bf16h'", "gelu='pallas-gemm'")
-    assert "qkv='pallas'" in policy["jax_bf16_fast"] and "qkv='plain'" in policy["jax_bf16_pallas"]
-    assert "qkv='pallas'" in policy["jax_bf16_qkv_pallas"] and "gelu='plain'" in policy["jax_bf16_qkv_pallas"]
-    assert "lm_head='pallas'" in policy["jax_bf16_lm_head_pallas"] and "lm_head='pallas'" in policy["jax_bf16_fast"]
-    assert "c_proj='pallas'" in policy["jax_bf16_c_proj"] and "c_proj='pallas'" in policy["jax_bf16_fast"]
-    assert "layer_norm='pallas'" in policy["jax_bf16_c_proj"] and "c_proj='plain'" in policy["jax_bf16_pallas"]
-    assert "gelu='pallas-recompute'" in policy["jax_bf16_gelu_recompute"]
+    assert "mlp=xla" in policy["jax_bf16_autocast"]
+    assert "compute_dtype='bfloat16'" in policy["jax_bf16_ln_pallas"] and "layer_norm=pallas" in policy["jax_bf16_ln_pallas"]
+    assert "logits_dtype='bfloat16'" in policy["jax_bf16_fast"] and "logits_dtype='float32'" in policy["jax_bf16_ln_pallas"]
+    assert "mlp=pallas-gemm" in policy["jax_bf16_gelu_gemm"] and "layer_norm=xla" in policy["jax_bf16_gelu_gemm"]
+    assert "gelu_h_dtype='bfloat16'" in policy["jax_bf16_fast"] and "layer_norm=pallas" in policy["jax_bf16_fast"]
+    assert policy["jax_bf16_fast_h32"] == policy["jax_bf16_fast"].replace("gelu_h_dtype='bfloat16'",
+                                                                          "gelu_h_dtype='float32'")
+    assert "qkv=pallas" in policy["jax_bf16_fast"] and "mlp=pallas-gemm" in policy["jax_bf16_fast"]
+    assert "qkv=pallas" in policy["jax_bf16_qkv_pallas"] and "mlp=xla" in policy["jax_bf16_qkv_pallas"]
+    assert "loss=pallas" in policy["jax_bf16_lm_head_pallas"] and "loss=pallas" in policy["jax_bf16_fast"]
+    assert "mlp=pallas-recompute" in policy["jax_bf16_gelu_recompute"]
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["loss_first"]) for r in rows.values())
 
 
@@ -246,7 +243,7 @@ def test_the_summariser_sorts_a_gpu_trace_into_categories():
 
 
 def test_a_pallas_gemm_is_profiled_as_a_matmul():
-    """jaxgpt.gemm's kernels (GELU or the bias add in a GEMM's epilogue) are GEMMs in the profile's table, in the
+    """jaxgpt.kernels.gemm's kernels (GELU or the bias add in a GEMM's epilogue) are GEMMs in the profile's table, in the
     direction their scope says; another Pallas kernel is not."""
     from benchmarks.gpu.hlo_trace import Instr
 

@@ -5,10 +5,10 @@ interpreted kernels it compiles).
 A tiny GPT (2 layers, n_embd 32, a 256-token vocabulary: tests/tiny_training.py) under each opt-in setting against
 the same GPT on XLA's path, on the device, from the same init and batch: its loss and every parameter's gradient
 after one step, and its losses over 3 AdamW steps. Bounds, those of the CPU tests of the same kernels: the losses
-within 1e-4 relative of XLA's path's (tests/test_gelu_gemm.py, test_norm_kernel.py, test_gelu_kernel.py: the
-interpreted kernels' bound; gelu: pallas-gemm-bf16h, one more rounding of h, within 1e-3 of the plain policy's, its
-tests/test_gelu_gemm.py bound), and each gradient within parity_tests/tolerances.py's bf16 gradient bounds (relative
-Frobenius error <= GRAD_BF16_REL, cosine >= GRAD_BF16_COS: the bound gelu: pallas-gemm-bf16h is held to against
+within 1e-4 relative of XLA's path's (tests/kernels/test_mlp.py, test_layer_norm_kernel.py: the interpreted
+kernels' bound; gelu_h_dtype bfloat16 under kernels.mlp pallas-gemm, one more rounding of h, within 1e-3 of the
+plain policy's, its tests/kernels/test_mlp.py bound), and each gradient within parity_tests/tolerances.py's bf16 gradient bounds (relative
+Frobenius error <= GRAD_BF16_REL, cosine >= GRAD_BF16_COS: the bound gelu_h_dtype bfloat16 is held to against
 fp32; a kernel differing from XLA by summation order and single roundings sits far inside it).
 """
 
@@ -37,14 +37,14 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not _gpu(), reason="needs a C
 # (setting, its Policy fields, the Policy fields of XLA's path it is compared with, the losses' relative bound)
 XLA_BF16_LOGITS = {"logits_dtype": "bfloat16"}
 SETTINGS = [
-    ("layer_norm=pallas", {"layer_norm": "pallas"}, {}, 1e-4),
-    ("gelu=pallas", {"gelu": "pallas"}, {}, 1e-4),
-    ("gelu=pallas-gemm", {"gelu": "pallas-gemm"}, {}, 1e-4),
-    ("gelu=pallas-recompute", {"gelu": "pallas-recompute"}, {}, 1e-4),
-    ("gelu=pallas-gemm-bf16h", {"gelu": "pallas-gemm-bf16h"}, {}, 1e-3),
-    ("qkv=pallas", {"qkv": "pallas"}, {}, 1e-4),
-    ("lm_head=pallas", {"lm_head": "pallas", **XLA_BF16_LOGITS}, XLA_BF16_LOGITS, 1e-4),
-    ("c_proj=pallas", {"layer_norm": "pallas", "c_proj": "pallas"}, {}, 1e-4),
+    ("kernels.layer_norm=pallas", {"kernels": {"layer_norm": "pallas"}}, {}, 1e-4),
+    ("kernels.mlp=pallas-gemm", {"kernels": {"mlp": "pallas-gemm"}}, {}, 1e-4),
+    ("kernels.mlp=pallas-recompute", {"kernels": {"mlp": "pallas-recompute"}}, {}, 1e-4),
+    ("kernels.mlp=pallas-gemm gelu_h_dtype=bfloat16", {"kernels": {"mlp": "pallas-gemm"}, "gelu_h_dtype": "bfloat16"},
+     {}, 1e-3),
+    ("kernels.qkv=pallas", {"kernels": {"qkv": "pallas"}}, {}, 1e-4),
+    ("kernels.loss=pallas", {"kernels": {"loss": "pallas"}, **XLA_BF16_LOGITS}, XLA_BF16_LOGITS, 1e-4),
+    ("kernels=pallas", {"kernels": "pallas"}, {}, 1e-4),
 ]
 
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import ops
 from jaxgpt.config import GPTConfig
+from jaxgpt.kernels import attention as attention_op
 from jaxgpt.model import GPT, KVCache, LayerNorm, TokenError, check_cache_positions, check_tokens, dropout
 from jaxgpt.precision import Policy, cpu_bf16_is_fast, default_compute
 
@@ -31,7 +31,9 @@ def tokens(batch: int, seq: int, vocab: int = 50257, seed: int = 0) -> jax.Array
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, size=(batch, seq)), dtype=jnp.int32)
 
 
-def fresh_model(config: GPTConfig = TINY, *, seed: int = 0, **policy) -> GPT:
+def fresh_model(config: GPTConfig = TINY, *, seed: int = 0, attention: str | None = None, **policy) -> GPT:
+    if attention is not None:  # the attention op's implementation (Policy.kernels)
+        policy["kernels"] = {"attention": attention}
     return GPT(config, policy=Policy.fp32(**policy) if "compute_dtype" not in policy else Policy(**policy),
                rngs=nnx.Rngs(seed))
 
@@ -349,7 +351,7 @@ def test_bf16_policy_every_dot_is_bf16_in_fp32_out(attention):
     for name, fn, n_lm_head in (("forward", fwd, 1), ("loss", loss, None)):
         dots = _dots(jax.jit(fn).lower(state, idx).as_text())
         # c_attn, c_proj, c_fc, mlp c_proj; q k^T and p v (per query block for the blocked einsum attention)
-        per_layer = 4 + 2 * (len(ops.query_blocks(idx.shape[1])) if attention == "einsum" else 1)
+        per_layer = 4 + 2 * (len(attention_op.query_blocks(idx.shape[1])) if attention == "einsum" else 1)
         if n_lm_head is not None:
             assert len(dots) == per_layer * cfg.n_layer + n_lm_head, f"{name}: {len(dots)} dots"
         else:  # the loss may compute the lm_head in chunks
@@ -394,7 +396,7 @@ def test_layer_norm_matches_torch_with_gpt2_eps():
 
     ln = LayerNorm(C, bias=True, eps=TINY.layer_norm_epsilon)
     ln.scale[...], ln.bias[...] = jnp.asarray(scale), jnp.asarray(bias)
-    ours = np.asarray(ln(jnp.asarray(x)))
+    ours = np.asarray(ln(jnp.asarray(x))[1])  # (x, ln(x))
 
     tln = torch.nn.LayerNorm(C, eps=1e-5)
     with torch.no_grad():
@@ -412,6 +414,6 @@ def test_layer_norm_matches_torch_with_gpt2_eps():
 
     no_bias = LayerNorm(C, bias=False, eps=1e-5)
     assert no_bias.bias is None
-    np.testing.assert_allclose(np.asarray(no_bias(jnp.asarray(x))),
+    np.testing.assert_allclose(np.asarray(no_bias(jnp.asarray(x), keep_residual=False)[0]),
                                torch.nn.functional.layer_norm(torch.from_numpy(x), (C,), eps=1e-5).numpy(),
                                atol=2e-6, rtol=0)

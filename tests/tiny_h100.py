@@ -1,5 +1,5 @@
 """The tiny step compiled for the H100 (compile-only) under an opt-in setting beside the same step without it: what
-the Pallas kernels' tests (tests/test_gelu_gemm.py, tests/test_gemm.py, tests/test_loss_kernel.py) read the kernels
+the Pallas kernels' tests (tests/kernels/test_mlp.py, tests/kernels/test_gemm.py, tests/kernels/test_loss_kernel.py) read the kernels
 of, and the calibration's least efficient measured rates their new kernels are priced at."""
 
 from __future__ import annotations

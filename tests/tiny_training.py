@@ -1,5 +1,5 @@
-"""A tiny GPT's losses over a few AdamW steps on one fixed batch: what the Pallas kernels' tests (tests/test_gelu_kernel.py,
-tests/test_norm_kernel.py) train under a kernel policy and under the plain one to compare."""
+"""A tiny GPT's losses over a few AdamW steps on one fixed batch: what the Pallas kernels' tests (tests/kernels/test_gelu.py,
+tests/kernels/test_layer_norm_kernel.py) train under a kernel policy and under the plain one to compare."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torch_ref's twin of ``jaxgpt/fp8.py``: forward GEMMs with float8_e4m3fn operands, the same rounding.
+"""torch_ref's twin of ``jaxgpt/kernels/fp8.py``: forward GEMMs with float8_e4m3fn operands, the same rounding.
 
 Each operand is cast to the compute dtype (bf16 under ``torch.autocast``, else fp32), scaled by the power of two
 ``2**e`` with ``amax / 448 = m 2**e`` (``torch.frexp``; ``amax / scale`` in [224, 448); NaN scale for a non-finite
@@ -23,7 +23,7 @@ import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
-# the same GEMM selections as jaxgpt.fp8.GEMM_SETS
+# the same GEMM selections as jaxgpt.kernels.fp8.GEMM_SETS
 GEMM_SETS = {"none": frozenset(), "lm_head": frozenset({"lm_head"}), "mlp": frozenset({"mlp"}),
              "mlp+lm_head": frozenset({"mlp", "lm_head"}), "all": frozenset({"attn", "mlp", "lm_head"})}
 

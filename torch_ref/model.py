@@ -136,7 +136,7 @@ class GPT(nn.Module):
             block.attn.attention = attention
 
     def set_fp8(self, gemms: str) -> None:
-        """jaxgpt's ``precision: fp8``: the forward GEMMs named by ``gemms`` (jaxgpt.fp8.GEMM_SETS' names) with
+        """jaxgpt's ``precision: fp8``: the forward GEMMs named by ``gemms`` (jaxgpt.kernels.fp8.GEMM_SETS' names) with
         e4m3 operands; run the model under ``torch.autocast`` (bf16) as for bf16, or without it for an fp32 rest."""
         chosen = f8.GEMM_SETS[gemms]
         for m in self.modules():

@@ -44,11 +44,10 @@ WORKER = "benchmarks.gpu.worker"  # the module each variant runs in (common.run_
 VARIANTS = ["jax_bf16", "torch_compile_bf16"]  # grown over --batches
 # also accepted by --variants: the opt-in programs of issues 32 and 33 (benchmarks.gpu.worker.GPU_VARIANTS), e.g.
 #   python -m benchmarks.gpu.bench --batches 64,16 --eager-batches "" --medium-batch 0 \
-#       --variants jax_bf16,jax_bf16_autocast,jax_autocast_fused_ln,jax_fp8,jax_bf16_gelu_pallas,jax_bf16_gelu_gemm,jax_bf16_qkv_pallas,jax_bf16_lm_head_pallas,jax_bf16_c_proj,jax_bf16_gelu_recompute,jax_bf16_ln_pallas,jax_bf16_pallas,jax_bf16_fast,jax_bf16_fast_h32,torch_compile_bf16
-OPT_IN_VARIANTS = ["jax_bf16_autocast", "jax_autocast_fused_ln", "jax_fp8", "jax_bf16_gelu_pallas",
-                   "jax_bf16_gelu_gemm", "jax_bf16_qkv_pallas", "jax_bf16_lm_head_pallas", "jax_bf16_c_proj",
-                   "jax_bf16_gelu_recompute", "jax_bf16_ln_pallas", "jax_bf16_pallas", "jax_bf16_fast",
-                   "jax_bf16_fast_h32"]
+#       --variants jax_bf16,jax_bf16_autocast,jax_autocast_fused_ln,jax_fp8,jax_bf16_gelu_gemm,jax_bf16_qkv_pallas,jax_bf16_lm_head_pallas,jax_bf16_gelu_recompute,jax_bf16_ln_pallas,jax_bf16_fast,jax_bf16_fast_h32,torch_compile_bf16
+OPT_IN_VARIANTS = ["jax_bf16_autocast", "jax_autocast_fused_ln", "jax_fp8", "jax_bf16_gelu_gemm",
+                   "jax_bf16_qkv_pallas", "jax_bf16_lm_head_pallas", "jax_bf16_gelu_recompute", "jax_bf16_ln_pallas",
+                   "jax_bf16_fast", "jax_bf16_fast_h32"]
 EAGER = "torch_eager_bf16"
 SHAPES = {"gpt2": ("gpt2", 1024), "gpt2-medium": ("gpt2-medium", 1024)}
 DRY_SHAPES = {"gpt2": ("tiny", 64), "gpt2-medium": ("mini", 64)}  # --dry: the plumbing, on the CPU
@@ -56,7 +55,7 @@ DRY_SHAPES = {"gpt2": ("tiny", 64), "gpt2-medium": ("mini", 64)}  # --dry: the p
 KNOBS: dict[str, tuple[dict, str, dict]] = {
     "default": ({}, "", {}),
     "loss fetched every step": ({}, "", {"sync_every_step": True}),
-    "attention=xla": ({"attention": "xla"}, "", {}),
+    "attention=xla": ({"kernels": {"attention": "xla"}}, "", {}),
     "fast_kernels=False (plain matmuls, unfused CE)": ({"fast_kernels": False}, "", {}),
     # the default fused loss's chunk on GPUs is 2^28 fp32 logits (fused_loss.CE_CHUNK_ELEMENTS_GPU, chosen from the
     # compiled H100 program's traffic; lm_head: pallas has its own, CE_CHUNK_ELEMENTS_LSE, which these leave alone):
@@ -117,7 +116,7 @@ def flops(preset: str, batch: int, seq: int, micro_steps: int = 1) -> tuple[int,
 
 
 def e4m3_flops(variant: str, preset: str, batch: int, seq: int, micro_steps: int = 1) -> int:
-    """Training FLOPs per step a variant runs in e4m3 GEMMs: the forward GEMMs jaxgpt.fp8 selects under a ``precision:
+    """Training FLOPs per step a variant runs in e4m3 GEMMs: the forward GEMMs jaxgpt.kernels.fp8 selects under a ``precision:
     fp8`` variant (benchmarks.gpu.worker.GPU_VARIANTS; fp8_gemms all, its default), 0 for every other variant."""
     from benchmarks.gpu.worker import GPU_VARIANTS
     from jaxgpt.config import GPTConfig

@@ -2,7 +2,7 @@
 prediction of a train step whose fused lm_head cross-entropy writes its logits in ``--logits-dtype``: now that a
 policy selects it (``TrainConfig.logits_dtype``), ``python -m jaxgpt.compile ... --set logits_dtype=bfloat16`` itself
 (compile-only; nothing runs). With ``--logits-dtype float32`` it is exactly ``python -m jaxgpt.compile``. (It used to
-replace :func:`jaxgpt.fused_loss.lm_head_cross_entropy`'s default, which the model's explicit ``logits_dtype``
+replace :func:`jaxgpt.kernels.loss.lm_head_cross_entropy`'s default, which the model's explicit ``logits_dtype``
 argument has overridden since, so it compiled the default program.)"""
 
 import os

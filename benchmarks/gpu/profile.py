@@ -97,7 +97,7 @@ def categorize(kernel: str, ins: hlo_trace.Instr | None, mod: hlo_trace.Module |
         return "other"
     scope = scope_of(mod, ins) if mod else ""
     bwd = " bwd" if "transpose(" in ins.op_name else " fwd"
-    # a Pallas GEMM (jaxgpt.gemm's kernels, named gemm_nn_*, gemm_nt_*, gemm_ntsum_*) counts as a GEMM with its epilogue
+    # a Pallas GEMM (jaxgpt.kernels.gemm's kernels, named gemm_nn_*, gemm_nt_*, gemm_ntsum_*) counts as a GEMM with its epilogue
     gemm = (mod.is_gemm(ins) if mod else False) or bool(PALLAS_GEMM.search(ins.op_name))
     root = SCOPE.search(ins.op_name)
     if scope == "optimizer":

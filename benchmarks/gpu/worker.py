@@ -46,33 +46,26 @@ GPU_VARIANTS = {**worker.TRAIN_VARIANTS,
                 "jax_bf16_autocast": ("jax", "bf16-autocast", True),
                 "jax_autocast_fused_ln": ("jax", "bf16-autocast", True),
                 "jax_fp8": ("jax", "fp8", True),
-                "jax_bf16_gelu_pallas": ("jax", "bf16", True),
-                "jax_bf16_pallas": ("jax", "bf16", True),
                 "jax_bf16_ln_pallas": ("jax", "bf16", True),
                 "jax_bf16_gelu_gemm": ("jax", "bf16", True),
                 "jax_bf16_qkv_pallas": ("jax", "bf16", True),
                 "jax_bf16_lm_head_pallas": ("jax", "bf16", True),
-                "jax_bf16_c_proj": ("jax", "bf16", True),
                 "jax_bf16_gelu_recompute": ("jax", "bf16", True),
                 "jax_bf16_fast": ("jax", "bf16", True),
                 "jax_bf16_fast_h32": ("jax", "bf16", True)}
-VARIANT_POLICY = {"jax_autocast_fused_ln": {"layer_norm": "fused"}, "jax_bf16_gelu_pallas": {"gelu": "pallas"},
-                  "jax_bf16_ln_pallas": {"layer_norm": "pallas"},
-                  "jax_bf16_pallas": {"layer_norm": "pallas", "gelu": "pallas"},  # both Pallas kernels
-                  "jax_bf16_gelu_gemm": {"gelu": "pallas-gemm"},  # GELU in the two Pallas GEMMs' epilogues
-                  "jax_bf16_qkv_pallas": {"qkv": "pallas"},  # q, k, v's bias + bf16 in their Pallas GEMMs
+VARIANT_POLICY = {"jax_autocast_fused_ln": {"kernels": {"layer_norm": "fused"}},
+                  "jax_bf16_ln_pallas": {"kernels": {"layer_norm": "pallas"}},
+                  "jax_bf16_gelu_gemm": {"kernels": {"mlp": "pallas-gemm"}},  # GELU in the two Pallas GEMMs' epilogues
+                  "jax_bf16_qkv_pallas": {"kernels": {"qkv": "pallas"}},  # q, k, v's bias + bf16 in their Pallas GEMMs
                   # the loss's row max and sum of exp in the bf16 logits GEMM's epilogue
-                  "jax_bf16_lm_head_pallas": {"lm_head": "pallas", "logits_dtype": "bfloat16"},
-                  # c_proj's bf16 output gradient and bias sums from the kernels that make the gradient
-                  "jax_bf16_c_proj": {"layer_norm": "pallas", "c_proj": "pallas"},
-                  "jax_bf16_gelu_recompute": {"gelu": "pallas-recompute"},  # pallas-gemm, h recomputed
-                  # the fast set (benchmarks.gpu.fastset: the program issue 32 predicts fastest) but for its grouped
-                  # gradient norm, an optimizer setting the bench's fixed optimizer does not take; the compare part
-                  # measures it beside the default and torch.compile (jax_bf16_fast_h32: the same set with gelu
-                  # pallas-gemm, an fp32 h, the default's numerics)
-                  fastset.VARIANT: fastset.policy_fields(),
-                  "jax_bf16_fast_h32": {"layer_norm": "pallas", "gelu": "pallas-gemm", "qkv": "pallas",
-                                        "lm_head": "pallas", "c_proj": "pallas", "logits_dtype": "bfloat16"}}
+                  "jax_bf16_lm_head_pallas": {"kernels": {"loss": "pallas"}, "logits_dtype": "bfloat16"},
+                  "jax_bf16_gelu_recompute": {"kernels": {"mlp": "pallas-recompute"}},  # pallas-gemm, h recomputed
+                  # kernels: pallas (the Pallas LayerNorm, GELU, q, k, v and the loss's logits in Pallas GEMMs), bf16
+                  # logits (as torch.compile's autocast writes them) and h kept in bf16 for GELU's backward (as
+                  # torch.compile's autocast keeps it): the program predicted fastest (BENCHMARKS.md; docs/kernels.md);
+                  # jax_bf16_fast_h32: the same kernels with the default's numerics but for the bf16 logits
+                  fastset.VARIANT: fastset.policy_fields(),  # {"kernels": "pallas", "gelu_h_dtype": ..., ...}
+                  "jax_bf16_fast_h32": {"kernels": "pallas", "logits_dtype": "bfloat16"}}
 
 
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +140,7 @@ def _jax(spec, cfg, precision, compiled, x, y, init) -> dict[str, Callable | dic
 
     device = jax.devices()[0]
     if spec.get("ce_chunk_elements"):  # the A/B of the fused loss's chunk size (read when the step is traced)
-        from jaxgpt import fused_loss
+        from jaxgpt.kernels import loss as fused_loss
 
         fused_loss.CE_CHUNK_ELEMENTS_GPU = int(spec["ce_chunk_elements"])  # what the GPU program's chunks read
     policy = Policy.named(precision, **spec.get("policy", {}))

@@ -11,7 +11,7 @@ tables; ``--json`` prints one JSON object instead. The same numbers are availabl
 :func:`count_params`, :func:`estimate_memory`, :func:`account`, :func:`peak_flops`, :func:`mfu`,
 :func:`mixed_peak`, :func:`measure_cpu_peak`, :func:`dtype_table`.
 
-``--precision fp8 [--fp8-gemms lm_head|mlp|mlp+lm_head|all]`` (jaxgpt.fp8; default all): the forward GEMMs it
+``--precision fp8 [--fp8-gemms lm_head|mlp|mlp+lm_head|all]`` (jaxgpt.kernels.fp8; default all): the forward GEMMs it
 selects run with e4m3 operands, priced at the device's dense fp8 peak (H100 SXM / H200 1,978.9, H100 PCIe 1,513
 TFLOP/s; the A100 has no fp8 tensor cores: its bf16 peak, said so); the rest of the model FLOPs (their backward,
 attention's QK^T and PV, the GEMMs not selected) at the bf16 peak. The ideal step is the sum of the two classes' times
@@ -63,9 +63,9 @@ jaxgpt's XLA path (``jax.nn.dot_product_attention(implementation="xla")``, with 
 as a select) keeps **four** fp32 T x T tensors per head alive into the backward as compiled by XLA:CPU
 (masked scores, exp(s - max), and the probabilities in two layouts, one per backward matmul), measured
 as 15-16 bytes per (head, query, key) in ``memory_analysis()``; that is what is counted for ``xla``.
-On CPU, jaxgpt's default is ``jaxgpt.ops.causal_attention`` (``einsum``): its hand-written backward saves one fp32
+On CPU, jaxgpt's default is ``jaxgpt.kernels.attention.causal_attention`` (``einsum``): its hand-written backward saves one fp32
 copy of P and the fp32 output y, and P only over the keys each query block sees: ``T' = 0.625 T`` with its 4 query
-blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``Policy.attention = "auto"``), which recomputes
+blocks (:func:`visible_keys_per_query`); its backward adds 8 C fp32 per token of transient copies. On GPU with bf16, jaxgpt uses cuDNN's fused attention (``kernels.attention: auto``), which recomputes
 the probabilities in the backward and saves only the output and one log-sum-exp per (head, query).
 
 Outside the layers: ln_f (C + 1 fp32 + C cd per token), the loss buffers, and the backward's transient

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step (default 1)")
     p.add_argument("--device", default="h100-sxm", help=f"one of {', '.join(DEVICES)} (default h100-sxm)")
     p.add_argument("--matmul-dtype", default=None, help="peak to use: fp32, tf32, bf16, fp8 (default from precision)")
-    p.add_argument("--attention", default=None, help="xla or cudnn (default: what Policy(attention='auto') picks)")
+    p.add_argument("--attention", default=None, help="xla or cudnn (default: what kernels.attention auto picks)")
     p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation (default 0.4)")
     p.add_argument("--tokens", type=_parse_number, default=None, help="training tokens D (default 20 x params)")
     p.add_argument("--dollars-per-hour", type=float, default=None, help="price of one device (default per device)")

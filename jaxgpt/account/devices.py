@@ -37,7 +37,7 @@ def default_matmul_dtype(precision: str, device: str) -> str:
 
 
 def default_attention(precision: str, device: str) -> str:
-    """What ``Policy(attention="auto")`` picks: cuDNN fused attention on GPU with bf16 compute (fp8's included),
+    """What ``kernels.attention: auto`` picks: cuDNN fused attention on GPU with bf16 compute (fp8's included),
     jaxgpt.ops' einsum kernel on CPU, XLA's path otherwise."""
     if resolve_device(device) == "cpu":
         return "einsum"

@@ -33,7 +33,7 @@ def optimizer_state_elements(config: GPTConfig, optimizer: str, n: int) -> int:
 
 
 def visible_keys_per_query(seq_len: int) -> float:
-    """Mean number of keys per query row that jaxgpt.ops.causal_attention's query blocks compute (and save P
+    """Mean number of keys per query row that jaxgpt.kernels.attention.causal_attention's query blocks compute (and save P
     for): block [a, b) multiplies against keys [0, b). 0.625 T with 4 blocks, T for one."""
     n = max(1, min(ATTENTION_QUERY_BLOCKS, seq_len))
     edges = [round(i * seq_len / n) for i in range(n + 1)]
@@ -181,7 +181,7 @@ class MemoryEstimate:
 
 
 def loss_chunk_rows(n_rows: int, vocab_rows: int, *, gpu: bool, fp8: bool = False) -> int:
-    """Rows per chunk of jaxgpt's fused lm_head + cross-entropy, as ``jaxgpt.fused_loss._chunk_rows`` picks them
+    """Rows per chunk of jaxgpt's fused lm_head + cross-entropy, as ``jaxgpt.kernels.loss._chunk_rows`` picks them
     (mirrored: the accountant stays jax-free; tests/test_account.py checks they agree): one chunk's fp32 logits near
     CE_CHUNK_ELEMENTS (the CPU) or CE_CHUNK_ELEMENTS_GPU elements, balanced chunks, and on GPUs the e4m3 logits
     GEMM's (``fp8``) rounded up to a multiple of 16 rows (cuBLASLt's fp8 GEMM)."""
@@ -193,7 +193,7 @@ def loss_chunk_rows(n_rows: int, vocab_rows: int, *, gpu: bool, fp8: bool = Fals
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Memory:
-    """What ``precision: fp8`` (jaxgpt.fp8) adds to the bf16 policy's memory, per device. Its bf16 straight-through
+    """What ``precision: fp8`` (jaxgpt.kernels.fp8) adds to the bf16 policy's memory, per device. Its bf16 straight-through
     backward keeps the same bf16 operand copies as the bf16 policy (the weight copies and the saved activations,
     counted there unchanged); on top of them, at the step's peak (the fused loss's chunk loop, every layer's
     activations saved):
@@ -206,7 +206,7 @@ class Fp8Memory:
       logits and the compute-dtype softmax gradient ((4 + 2) x rows x Vp), the chunk's h (2 x rows x C), the
       padded h (2 x padded rows x C), the targets and valid-row mask (5 B per padded row) and the per-row fp32
       max, sum and log-sum-exp (12 B per row). 0 on the CPU (its chunks are not rounded).
-    * ``scales``: two fp32 scales per e4m3 GEMM call of a forward (jaxgpt.fp8.scales_bytes), recomputed every call,
+    * ``scales``: two fp32 scales per e4m3 GEMM call of a forward (jaxgpt.kernels.fp8.scales_bytes), recomputed every call,
       none kept between steps or checkpointed; counted (an upper bound: at most the lm_head's two are alive at the
       peak).
     * ``layer_operands``: the largest layer GEMM's e4m3 copies of x and of its weight (mlp.c_proj's 4C-wide input
@@ -260,7 +260,7 @@ def estimate_fp8(config: GPTConfig, *, tokens: int, fp8_gemms: str, gpu: bool = 
     if "lm_head" in gemms:
         rows, bf16_rows = (loss_chunk_rows(M, Vp, gpu=gpu, fp8=f) for f in (True, False))
         padded, bf16_padded = (-(-M // r) * r for r in (rows, bf16_rows))
-        head = padded * C + Vp * C  # h padded to whole chunks (jaxgpt.fused_loss), the head
+        head = padded * C + Vp * C  # h padded to whole chunks (jaxgpt.kernels.loss), the head
         extra_rows, extra_padded = rows - bf16_rows, padded - bf16_padded
         growth = extra_rows * ((4 + cd) * Vp + cd * C + 3 * 4) + extra_padded * (cd * C + 4 + 1)
     layer = max([M * 4 * C + 4 * C * C] * ("mlp" in gemms) + [M * C + 3 * C * C] * ("attn" in gemms), default=0)
@@ -336,7 +336,7 @@ def estimate_memory(config: GPTConfig, *, batch_size: int, seq_len: int | None =
                     attention: str = "xla", device: str | None = None, fast_kernels: bool = True,
                     mesh: Mapping[str, int] | None = None, fp8_gemms: str | None = None) -> MemoryEstimate:
     """Bytes per device of one training step (see the module docstring for every term). ``precision="fp8"``:
-    the bf16 terms plus :class:`Fp8Memory` for ``fp8_gemms`` (default "all", jaxgpt.fp8.DEFAULT_GEMMS)."""
+    the bf16 terms plus :class:`Fp8Memory` for ``fp8_gemms`` (default "all", jaxgpt.kernels.fp8.DEFAULT_GEMMS)."""
     seq_len = config.block_size if seq_len is None else seq_len
     validate_run(config, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
               grad_accum=grad_accum, attention=attention, fp8_gemms=fp8_gemms)

@@ -48,7 +48,7 @@ class Account:
     # per device: matmul FLOPs the optimizer adds to each step (Muon's Newton-Schulz, once per optimizer step on
     # every device whatever the batch); not model FLOPs, so not in MFU's numerator, but they take time
     optimizer_flops_per_step: int = 0
-    # precision fp8 (jaxgpt.fp8): which forward GEMMs run in e4m3, their FLOPs per step per device (the rest, in
+    # precision fp8 (jaxgpt.kernels.fp8): which forward GEMMs run in e4m3, their FLOPs per step per device (the rest, in
     # flops_per_step too, runs at peak_flops), and the rate they run at (the dense fp8 peak, or peak_flops where the
     # device has no fp8 tensor cores: fp8_native False)
     fp8_gemms: str | None = None

@@ -80,7 +80,8 @@ def account_memory(cs, target) -> dict[str, Any] | None:
 
     cfg, policy = cs.cfg, cs.policy
     precision = "fp8" if policy.fp8 != "none" else "bf16" if policy.compute_dtype == "bfloat16" else "fp32"
-    attention = account.default_attention(precision, target.name) if policy.attention == "auto" else policy.attention
+    attention = account.default_attention(precision, target.name) if policy.kernel("attention") == "auto" \
+        else policy.kernel("attention")
     if cfg.optim.name not in account.OPTIMIZERS or attention not in account.ATTENTION_IMPLS:
         return None
     model_cfg = cfg.model if cfg.dropout is None else cfg.model.replace(dropout=cfg.dropout)

@@ -279,7 +279,7 @@ class Rollup:
                       loop_depth, gemm, pallas_name(ins))
 
     def _pallas_gemm(self, comp: str, ins: Instr, kernel: Kernel) -> list[Kernel]:
-        """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.gemm's; ``gemm_ntsum_*``:
+        """A Pallas GEMM (a Pallas Triton kernel named ``gemm_nn_*`` or ``gemm_nt_*``: jaxgpt.kernels.gemm's; ``gemm_ntsum_*``:
         :meth:`_pallas_sum_gemm`) as two kernels:
         the GEMM (its first operand is the lhs (M, K), its second the rhs, (K, N) for nn or (N, K) for nt, its first
         result (M, N): 2 M N K FLOPs and those three arrays' bytes, the lhs's at the rhs's dtype) and its epilogue
@@ -321,7 +321,7 @@ class Rollup:
                                   nbytes + out.bytes, gemm, dtype)
 
     def _pallas_sum_gemm(self, comp: str, ins: Instr, kernel: Kernel, name: str) -> list[Kernel]:
-        """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
+        """A Pallas GEMM named ``gemm_ntsum_*`` (jaxgpt.kernels.gemm.gemm_sum_nt): the lhs blocks (every operand but the last,
         (M, K_s) each) split the K of its last operand, (N, sum K_s); it writes (M, N) first: 2 M N sum K_s FLOPs and
         those arrays' bytes; its other results are its epilogue's."""
         shapes = [self.m.instr_shape(comp, o)[0] for o in ins.operands]

@@ -59,9 +59,7 @@ class CompiledStep:
 def resolve_policy(cfg: TrainConfig, platform: str) -> Policy:
     """The precision policy a run of ``cfg`` gets on ``platform`` (``precision: auto`` is bf16 on GPUs)."""
     precision = default_compute(platform) if cfg.precision == "auto" else cfg.precision
-    return Policy.named(precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
-                        layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv, lm_head=cfg.lm_head,
-                        c_proj=cfg.c_proj, logits_dtype=cfg.logits_dtype)
+    return Policy.named(precision, **cfg.policy_options())
 
 
 def _abstract_state(cfg: TrainConfig, policy: Policy, optimizer, mesh):

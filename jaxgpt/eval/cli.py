@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxgpt.eval.common import EvalError, load_model
-from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
-from jaxgpt.fp8 import GEMM_SETS
+from jaxgpt.kernels.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
+from jaxgpt.kernels.fp8 import GEMM_SETS
 from jaxgpt.generate import int_at_least
 from jaxgpt.localpath import missing_directory
 from jaxgpt.precision import PRECISIONS

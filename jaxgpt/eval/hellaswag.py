@@ -271,7 +271,7 @@ def _ending_losses(graphdef, state, ctx, ctx_len, end, end_len):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxgpt import fused_loss
+    from jaxgpt.kernels import loss as fused_loss
     from jaxgpt.model import KVCache
 
     model = nnx.merge(graphdef, state)

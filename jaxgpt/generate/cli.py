@@ -11,8 +11,8 @@ import time
 from collections.abc import Sequence
 
 from jaxgpt.config import PRESETS
-from jaxgpt.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
-from jaxgpt.fp8 import GEMM_SETS
+from jaxgpt.kernels.fp8 import DEFAULT_GEMMS as DEFAULT_FP8_GEMMS
+from jaxgpt.kernels.fp8 import GEMM_SETS
 from jaxgpt.generate.api import generate_samples
 from jaxgpt.generate.errors import GenerateError
 from jaxgpt.generate.load import load_model, load_tokenizer

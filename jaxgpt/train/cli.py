@@ -109,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        try:  # what each op runs with these numerics (jaxgpt.kernels.registry), where the kernels run (GPUs)
+            from jaxgpt.precision import Policy
+
+            policy = Policy.named("bf16" if cfg.precision == "auto" else cfg.precision, **cfg.policy_options())
+            print("# kernels (GPUs; precision auto as bf16): " + ", ".join(f"{op}={name}" for op, name in
+                                                                       policy.implementations.items()))
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         return 0
     if cfg.schedule_warning():
         print(cfg.schedule_warning(), file=sys.stderr)

@@ -11,12 +11,19 @@ from typing import Any, Literal
 
 from jaxgpt.config import PRESETS, ConfigError, GPTConfig, from_dict, load_yaml, to_dict
 from jaxgpt.distributed import DistributedConfig
+from jaxgpt.kernels import registry
+from jaxgpt.kernels.registry import Kernels
 from jaxgpt.localpath import missing_directory
 from jaxgpt.mesh import MeshConfig
 from jaxgpt.optim import OptimConfig
 from jaxgpt.train.wandb_log import WandbConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "shakespeare-char-cpu.yaml"  # nanoGPT's first run
+
+
+# the per-op flags the kernel layer replaced (issue 44): refused with the flag that replaces them
+RENAMED = {"layer_norm": "layer_norm", "gelu": "mlp", "qkv": "qkv", "lm_head": "loss", "c_proj": "layer_norm",
+           "attention": "attention"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,24 +37,15 @@ class TrainConfig:
     dropout: float | None = None  # overrides the model's dropout (e.g. 0.0 to fine-tune gpt2); None: keep it
     # matmul dtypes (jaxgpt.precision.Policy.named); auto: bf16 where fast; bf16-autocast: torch.autocast's bf16
     precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp8"] = "auto"
-    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.fp8); None: jaxgpt.fp8.DEFAULT_GEMMS
+    # precision: fp8 only: which forward GEMMs take e4m3 operands (jaxgpt.kernels.fp8); None: its DEFAULT_GEMMS
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
-    attention: Literal["auto", "xla", "cudnn", "reference"] = "auto"
-    layer_norm: Literal["plain", "fused", "pallas"] = "plain"  # Policy.layer_norm (jaxgpt.norm): fused = two-pass
-    # backward; pallas = one Pallas kernel that also adds the residual stream's gradient (GPUs; fused on CPUs)
-    gelu: Literal["plain", "pallas", "pallas-gemm", "pallas-recompute", "pallas-gemm-bf16h"] = "plain"  # Policy.gelu:
-    # pallas = jaxgpt.gelu's one-kernel GELU backward; pallas-gemm = jaxgpt.gelu_gemm: GELU in the c_fc and c_proj
-    # GEMMs' epilogues (GPUs; plain's values); pallas-recompute = pallas-gemm without keeping h (c_proj's
-    # input-gradient kernel recomputes it: 805 MB less per layer at gpt2 b64); pallas-gemm-bf16h = pallas-gemm keeping
-    # h in bf16 (403 MB less per layer; gelu'(h) from the rounded h, as torch autocast's: precision bf16 only)
-    qkv: Literal["plain", "pallas"] = "plain"  # Policy.qkv: pallas = q, k, v's bias add + bf16 in their GEMMs (GPUs)
-    # Policy.lm_head: pallas = the loss's row max and sum of exp in the bf16 logits GEMM's epilogue (GPUs; needs
-    # logits_dtype: bfloat16)
-    lm_head: Literal["plain", "pallas"] = "plain"
-    # Policy.c_proj: pallas = ln_2's backward kernel also writes the attention c_proj's bf16 output gradient and bias
-    # gradient partial sums, and under gelu: pallas-gemm (and its variants) the MLP's input-gradient GEMM does the same
-    # for the MLP's c_proj (GPUs; needs layer_norm: pallas)
-    c_proj: Literal["plain", "pallas"] = "plain"
+    # which implementation each op of the kernel layer runs (jaxgpt.kernels.registry, docs/kernels.md): a preset,
+    # --kernels=xla (the reference paths) or --kernels=pallas (the Pallas kernels where they run: GPUs; the same
+    # numerics), and per-op choices over it, e.g. --kernels.mlp=pallas-recompute (9.0 GiB less at gpt2 b64)
+    kernels: Kernels = Kernels()
+    # Policy.gelu_h_dtype: bfloat16 keeps the MLP's h in bf16 for GELU's backward (as torch autocast's; 403 MB less
+    # per layer at gpt2 b64; precision bf16 only)
+    gelu_h_dtype: Literal["float32", "bfloat16"] = "float32"
     # Policy.logits_dtype: the dtype the lm_head writes its logits in, the loss and its gradient then computed in fp32
     # from them; bfloat16 halves the loss's passes over them (GPUs). null: the precision's own (bf16 under
     # bf16-autocast, torch.autocast's numerics, which refuses float32; fp32 otherwise)
@@ -133,6 +131,7 @@ class TrainConfig:
         check("logits_dtype", self.precision != "bf16-autocast" or self.logits_dtype != "float32",
               "precision: bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16 logits; drop "
               "logits_dtype (null) or use precision: bf16 for fp32 logits")
+        registry.check_names(self.kernels)
         check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
         check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
         check("skip_batches", self.skip_batches >= 0, "must be an integer >= 0")
@@ -168,6 +167,14 @@ class TrainConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"TrainConfig: expected a mapping of fields, got {type(data).__name__}")
         data = dict(data)
+        for old, op in RENAMED.items():
+            if old in data:
+                raise ConfigError(f"{old}: replaced by kernels (docs/kernels.md): --kernels=pallas selects the Pallas "
+                                  f"set, --kernels.{op}=NAME one op's implementation")
+        if isinstance(data.get("kernels"), (str, Kernels)):  # --kernels=pallas
+            data["kernels"] = Kernels.parse(data["kernels"])
+        if isinstance(data.get("kernels"), Kernels):
+            data["kernels"] = to_dict(data["kernels"])
         if isinstance(data.get("mesh"), str):  # --mesh=data=2,fsdp=4
             data["mesh"] = MeshConfig.parse(data["mesh"]).to_dict()
         preset = data.get("model_preset")
@@ -185,12 +192,19 @@ class TrainConfig:
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "TrainConfig":
         data = load_yaml(path or DEFAULT_CONFIG)
+        if isinstance(data.get("kernels"), str):  # kernels: pallas, so that --kernels.mlp=... lands beside it
+            data["kernels"] = {"preset": data["kernels"]}
         for dotted, value in (overrides or {}).items():
-            set_dotted(data, dotted, value)
+            set_dotted(data, "kernels.preset" if dotted == "kernels" and isinstance(value, str) else dotted, value)
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)
+
+    def policy_options(self) -> dict[str, Any]:
+        """What Policy.named takes from this config besides the precision."""
+        return dict(fp8_gemms=self.fp8_gemms, logits_dtype=self.logits_dtype, kernels=self.kernels,
+                    gelu_h_dtype=self.gelu_h_dtype)
 
     # ---- derived ----------------------------------------------------------------------------------------
     def micro_steps(self, process_count: int = 1) -> int:

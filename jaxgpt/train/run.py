@@ -244,9 +244,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         from jaxgpt.precision import Policy
 
         cfg = self.cfg
-        self.policy = Policy.named(cfg.precision, attention=cfg.attention, fp8_gemms=cfg.fp8_gemms,
-                                   layer_norm=cfg.layer_norm, gelu=cfg.gelu, qkv=cfg.qkv, lm_head=cfg.lm_head,
-                                   c_proj=cfg.c_proj, logits_dtype=cfg.logits_dtype)
+        self.policy = Policy.named(cfg.precision, **cfg.policy_options())
         model = build_model(cfg, self.policy)
         self.model_cfg = model.config
         optimizer = make_optimizer(cfg.optim)

@@ -1,9 +1,9 @@
-"""The attention's q, k and v projections as Pallas GEMMs (``Policy.qkv = "pallas"``): the bias add and the rounding
+"""The attention's q, k and v projections as Pallas GEMMs (``kernels.qkv = "pallas"``): the bias add and the rounding
 to bf16 that attention applies in the GEMMs' epilogues, and one GEMM for the input gradient.
 
 The same function as :class:`jaxgpt.model.CausalSelfAttention`'s projections on GPUs (``x @ W_attn + b`` as q, k
 and v's three column blocks, bf16 operands, fp32 accumulation and bias add, then rounded to bf16 by attention).
-Compiled for the H100 (gpt2 124M, micro-batch 64, bf16, ``layer_norm: pallas``) each layer of the plain program
+Compiled for the H100 (gpt2 124M, micro-batch 64, bf16, ``kernels.layer_norm: pallas``) each layer of the plain program
 moves, around those GEMMs:
 
 * forward: each of the three GEMMs writes fp32 (201 MB at [65536, 768]) and attention's convert pass reads it, adds
@@ -11,8 +11,9 @@ moves, around those GEMMs:
 * backward: each projection's input-gradient GEMM writes its fp32 dx (201 MB), and the LayerNorm kernel reads the
   three (one copy of ln(x) per GEMM, so each gradient is an array of its own; XLA's add of three was a pass).
 
-Here :func:`jaxgpt.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of W_attn
-in place), and the backward's input gradient is one GEMM over the three gradients (:func:`jaxgpt.gemm.gemm_sum_nt`:
+Here :func:`jaxgpt.kernels.gemm.gemm_bias_cast` writes each bf16 projection directly (reading its column block of
+W_attn in place), and the backward's input gradient is one GEMM over the three gradients
+(:func:`jaxgpt.kernels.gemm.gemm_sum_nt`:
 ``[dq dk dv] @ W_attn^T`` without the concatenation, one fp32 accumulation over the 2,304 columns, as the CPU's
 single c_attn GEMM does), so LayerNorm hands this op one ln(x) and reads one gradient; the same kernel sums the
 bias gradient's columns from the bf16 gradients it reads anyway (XLA read each again: 36 passes of 101 MB at b64).
@@ -28,8 +29,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from jaxgpt import gemm, ops
-from jaxgpt.gemm import Impl
+from jaxgpt import ops
+from jaxgpt.kernels import gemm
+from jaxgpt.kernels.gemm import Impl
 
 
 def applies(dtype) -> bool:
@@ -89,3 +91,28 @@ def projections(x: Float[Array, "... d_in"], w: Float[Array, "d_in d_out"], b: F
     lead = x.shape[:-1]
     ys = _projections(x.reshape(-1, x.shape[-1]), w, b, n, jnp.dtype(dtype), precision, impl)
     return tuple(y.reshape(*lead, y.shape[-1]) for y in ys)
+
+
+def gemms(impl: str, dtype) -> int:
+    """How many GEMMs read the attention's input under ``impl`` (``Policy.kernels.qkv``): the one c_attn GEMM on
+    CPUs, one op (:func:`projections`) under "pallas" where its kernels run, q, k and v's three elsewhere; the
+    LayerNorm before hands one copy of its output to each, so that its backward sums their gradients itself."""
+    return 1 if ops.platform() == "cpu" or (impl == "pallas" and applies(dtype)) else 3
+
+
+def project(x: list[Float[Array, "batch seq embed"]], w: Float[Array, "embed qkv"], b: Float[Array, " qkv"] | None, *,
+            policy, impl: str, decoding: bool = False) -> list[Float[Array, "batch seq embed"]]:
+    """q, k and v: the three column blocks of ``x @ w + b`` (``x``: one copy of the input per GEMM, :func:`gemms`).
+    "xla": on CPUs c_attn's one GEMM split in three (split's backward is one concatenate of dq, dk, dv, an unpack's
+    three zero-padded copies of the whole gradient: 150 ms of a 6 s gpt2 124M step on 2 cores); elsewhere one GEMM
+    per column block, so q, k and v come out dense as cuDNN takes them (splitting one output was 36 copy kernels
+    forward and 24 concatenates backward in the compiled H100 step). "pallas": :func:`projections` (not while
+    ``decoding``, whose steps take the per-block GEMMs)."""
+    if impl == "pallas" and applies(policy.dtype) and not decoding:
+        return list(projections(x[0], w, b, 3, dtype=policy.dtype, precision=policy.lax_precision))
+    if len(x) == 1 and ops.platform() == "cpu":
+        return jnp.split(ops.add_bias(policy.matmul(x[0], w, gemm="attn"), b), 3, axis=-1)
+    xs = x if len(x) == 3 else x * 3
+    bs = [None] * 3 if b is None else jnp.split(b, 3)
+    return [ops.add_bias(policy.matmul(xi, wi, gemm="attn"), bi) for xi, wi, bi in zip(xs, jnp.split(w, 3, axis=-1), bs,
+                                                                                  strict=True)]

@@ -27,7 +27,7 @@ from jaxgpt.train import read_metrics
 from tests.runs import checkpoint_then_two_steps, sigkill_when
 from tests.test_preempt import finish, saved_steps, steps_done, wait_for
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "parity_tests"))
 from tolerances import FP8_FLIP_RATIO, FP8_TRAIN_FACTOR, GRAD_FP32_REL, TRAIN_LOSS_ABS  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""What the fp8 program is compiled with (jaxgpt.fp8, jaxgpt.step): the XLA options that make its e4m3 GEMMs cuBLASLt
+"""What the fp8 program is compiled with (jaxgpt.kernels.fp8, jaxgpt.step): the XLA options that make its e4m3 GEMMs cuBLASLt
 fp8 calls on GPUs, and the program changes they came with, each with the same values on the CPU. The compiled H100
 step's cuBLASLt fp8 GEMMs are counted in tests/test_compile.py (they need JAX's CUDA plugin)."""
 
@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgpt import fp8, fused_loss, ops, step
+from jaxgpt import ops, step
+from jaxgpt.kernels import fp8, loss as fused_loss
 from jaxgpt.model import GPT, GPTConfig
 from jaxgpt.precision import Policy
 from tests.test_autocast_policy import mlp_against_plain

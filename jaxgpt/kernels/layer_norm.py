@@ -1,4 +1,4 @@
-"""LayerNorm with a hand-written backward (``Policy.layer_norm = "fused"``).
+"""LayerNorm with a hand-written backward (``kernels.layer_norm = "fused"``).
 
 The same function as :class:`jaxgpt.model.LayerNorm`'s plain expression (GPT-2: statistics over the last axis,
 biased variance, eps inside the rsqrt)::
@@ -19,7 +19,7 @@ two passes that XLA fuses one kernel each:
 
 A single pass (dx and per-block partial sums of d(scale) and d(bias) in one kernel, as llm.c's
 ``layernorm_backward`` does) needs a kernel that reduces along both axes at once, which no XLA fusion does:
-``Policy.layer_norm = "pallas"`` is that kernel, a Pallas Triton one (:func:`layer_norm_backward`, below), for the
+``kernels.layer_norm = "pallas"`` is that kernel, a Pallas Triton one (:func:`layer_norm_backward`, below), for the
 LayerNorms, which it sees as ``(x, ln(x))`` branches so that it also adds the residual stream's gradient (ln_f, which
 no block adds to, as a branch without x: ``residual=False``). Their forward is one Pallas kernel too
 (:func:`layer_norm_forward`): it adds a branch's output to the residual stream, takes the row statistics and writes
@@ -123,7 +123,7 @@ def layer_norm(x: Float[Array, "rows embed"], scale: Float[Array, " embed"], bia
     return _layer_norm(x, scale, bias, float(eps))
 
 
-# ---- layer_norm: pallas: the LayerNorm of a residual branch, its backward one kernel ------------------------------
+# ---- kernels.layer_norm: pallas: the LayerNorm of a residual branch, its backward one kernel ----------------------
 # On GPUs the row pass above is a fusion that also adds dx to the residual stream's gradient (XLA fuses the add in),
 # and the column pass re-reads x and dy. One kernel can do both, but only if the custom VJP is handed the residual
 # gradient: a VJP of the LayerNorm alone gets dy, and XLA would add its dx to the residual gradient in a pass of its
@@ -151,20 +151,18 @@ def _tile(first: int, sub: int, rows: int, col, col_ok):
     return row, row_ok, row_ok[:, None] & col_ok[None, :], (row[:, None], col[None, :])
 
 
-def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: bool, has_dres: bool):
+def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, has_dres: bool):
     """Rows [i * block, (i + 1) * block) of x, dy and the residual gradient, ``sub`` rows at a time, each row's
     ``width`` (a power of two >= the embedding) columns masked to the real ones: dx + residual gradient written
     (fp32), the rows' fp32 column sums of dy * x_hat and dy into row i of ds_ref and db_ref. ``refs``: the ``n_dy``
     parts of dy (summed here, in fp32), then the residual gradient (unless ``has_dres`` is False: a LayerNorm that is
-    no residual branch, ln_f), mean, rstd, scale, dx, ds and db; with ``cast``
-    two more outputs: dx rounded to the GEMMs' dtype and the rows' fp32 column sums of dx (a projection's output
-    gradient and its bias gradient's partial sums, :func:`layer_norm_branch`'s ``proj``)."""
+    no residual branch, ln_f), mean, rstd, scale, dx, ds and db."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     dy_refs, rest = refs[:n_dy], refs[n_dy:]
     dres_ref, rest = (rest[0], rest[1:]) if has_dres else (None, rest)
-    mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref, *cast_refs = rest
+    mean_ref, rstd_ref, scale_ref, dx_ref, ds_ref, db_ref = rest
     rows, cols = x_ref.shape
     i = pl.program_id(0)
     col = jnp.arange(width)
@@ -187,16 +185,11 @@ def _kernel(x_ref, *refs, n_dy: int, block: int, sub: int, width: int, cast: boo
         if has_dres:
             dx = dx + plgpu.load(dres_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         plgpu.store(dx_ref.at[at], dx.astype(dx_ref.dtype), mask=ok)
-        acc = (acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0), *acc[2:])
-        if not cast:
-            return acc
-        # the projection's: XLA would read dx back to round it and sum it (c_proj's bias gradient) in a pass
-        plgpu.store(cast_refs[0].at[at], dx.astype(cast_refs[0].dtype), mask=ok)
-        return acc[:2] + (acc[2] + jnp.where(ok, dx, 0.0).sum(axis=0),)  # ok: as the stores (padded columns' dx is not 0)
+        return acc[0] + (dy * x_hat).sum(axis=0), acc[1] + dy.sum(axis=0)
 
     zero = jnp.zeros((width,), jnp.float32)
-    sums = jax.lax.fori_loop(0, block // sub, step, (zero,) * (3 if cast else 2))
-    for ref, total in zip((ds_ref, db_ref, *cast_refs[1:]), sums, strict=True):
+    sums = jax.lax.fori_loop(0, block // sub, step, (zero, zero))
+    for ref, total in zip((ds_ref, db_ref), sums, strict=True):
         plgpu.store(ref.at[i, col], total, mask=col_ok)
 
 
@@ -215,14 +208,15 @@ def _check_kernel(x, dys, dres, mean, rstd, scale) -> None:
                                    f"bfloat16 dy, got {x.dtype}, {dres_dtype} and {', '.join(map(str, dtypes))}")
     if tuple(mean.shape) != (x.shape[0], 1) or tuple(rstd.shape) != (x.shape[0], 1) or scale.shape != x.shape[1:]:
         raise LayerNormKernelError(f"layer_norm_backward: mean and rstd must be ({x.shape[0]}, 1) and scale "
-                                   f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, {tuple(scale.shape)}")
+                                   f"({x.shape[1]},), got {tuple(mean.shape)}, {tuple(rstd.shape)}, "
+                                   f"{tuple(scale.shape)}")
 
 
 def layer_norm_backward(x: Float[Array, "rows embed"],
                         dy: Float[Array, "rows embed"] | Sequence[Float[Array, "rows embed"]],
                         dres: Float[Array, "rows embed"] | None, mean: Float[Array, "rows 1"],
                         rstd: Float[Array, "rows 1"],
-                        scale: Float[Array, " embed"], *, cast=None, interpret: bool = False
+                        scale: Float[Array, " embed"], *, interpret: bool = False
                         ) -> tuple[Float[Array, "rows embed"], ...]:
     """``(dres + dx, d_scale_partials, d_bias_partials)`` of the LayerNorm whose forward saved ``mean`` and ``rstd``,
     as one Pallas Triton kernel (``interpret=True``: Pallas' interpreter, on any backend): ``dx = rstd * (g - mean(g)
@@ -230,11 +224,7 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     sums of ``dy * x_hat`` and ``dy`` (``.sum(0)`` of each is d(scale), d(bias)). ``dy`` may be a sequence of parts
     (the input gradients of the GEMMs that read the LayerNorm's output), summed in the kernel in fp32 in that order.
     Ragged rows and an embedding that is not a power of two are masked in the kernel, not padded in memory. ``dres``
-    None: no residual gradient (a LayerNorm that is no residual branch: ln_f), nothing read for it.
-
-    ``cast`` (a dtype): two more results, ``dres + dx`` rounded to it and its fp32 column sums per block of rows:
-    what a GEMM that produced the branch needs for its backward (its bf16 output gradient and its bias gradient's
-    partial sums), written from the same fp32 values, so XLA does not read them back in a pass of its own."""
+    None: no residual gradient (a LayerNorm that is no residual branch: ln_f), nothing read for it."""
     from jax.experimental import pallas as pl  # here, not at import: Pallas adds ~0.2-0.3 s to `import jaxgpt.model`
     from jax.experimental.pallas import triton as plgpu
 
@@ -245,11 +235,10 @@ def layer_norm_backward(x: Float[Array, "rows embed"],
     n = -(-rows // block)
     kwargs = {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
     partials = jax.ShapeDtypeStruct((n, cols), jnp.float32)
-    casts = () if cast is None else (jax.ShapeDtypeStruct(x.shape, jnp.dtype(cast)), partials)
     return pl.pallas_call(
         partial(_kernel, n_dy=len(dys), block=block, sub=min(SUB_ROWS, block), width=max(16, _next_pow2(cols)),
-                cast=cast is not None, has_dres=dres is not None),
-        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32), partials, partials, *casts),
+                has_dres=dres is not None),
+        out_shape=(jax.ShapeDtypeStruct(x.shape, jnp.float32), partials, partials),
         grid=(n,), interpret=interpret, name="layer_norm_backward_residual", **kwargs,
     )(x, *dys, *([] if dres is None else [dres]), mean.reshape(-1), rstd.reshape(-1), scale.astype(jnp.float32))
 
@@ -329,48 +318,14 @@ def _resolve(backward: Backward) -> Backward:
     return "kernel" if ops.platform() == "gpu" else "xla"
 
 
-def runs_kernels() -> bool:
-    """Whether :func:`layer_norm_branch` (backward "auto") runs the Pallas kernels here (GPUs; tests that force them),
-    not XLA's passes: where a residual add handed to its forward kernel saves a pass."""
-    return _resolve("auto") != "xla"
-
-
-LinearArgs = tuple  # (y, w, b): a Linear's input, kernel (in, out) and bias (or None), its output not yet computed
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _branch(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual):
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _branch(x, add, scale, bias, eps, backward, copies, dtype, residual):
     # without gradients: the same kernels
-    return _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual)[0]
+    return _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype, residual)[0]
 
 
-def _project(proj: LinearArgs, dtype, precision):
-    """The projection's output as :class:`jaxgpt.model.Linear` computes it (jaxgpt.ops.matmul: operands in ``dtype``,
-    fp32 result; then the bias) and what its backward keeps: the operands in ``dtype`` and the dtypes of y and b."""
-    y, w, b = proj
-    yc, wc = y.astype(dtype), w.astype(dtype)
-    out = ops._dot(yc, wc, dtype, precision)
-    out = out if b is None else out + b
-    return out, (yc, wc, jnp.zeros((), y.dtype), None if b is None else jnp.zeros((), b.dtype))
-
-
-def _project_bwd(saved, dx, dx_cast, dx_sums, dtype, precision):
-    """(dy, dw, db) of the projection from its output gradient ``dx`` (fp32), as jaxgpt.ops.matmul's backward and
-    autodiff of the bias add make them, from the kernel's rounded copy and column sums of dx where it wrote them."""
-    yc, wc, y_like, b_like = saved
-    gc = dx.astype(dtype) if dx_cast is None else dx_cast
-    dw = ops._dot(ops.transpose_operand(yc), gc, dtype, precision)
-    dy = ops._dot(gc, ops.transpose_operand(wc), dtype, precision).astype(y_like.dtype)
-    if b_like is None:
-        return dy, dw, None
-    return dy, dw, (dx.sum(axis=0) if dx_sums is None else dx_sums.sum(axis=0)).astype(b_like.dtype)
-
-
-def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precision, residual):
+def _branch_fwd(x, add, scale, bias, eps, backward, copies, dtype, residual):
     had_add = None if add is None else jnp.zeros((), jnp.float32)  # a residual: whether add's gradient is due
-    saved_proj = None
-    if proj is not None:  # the projection's GEMM is XLA's, as Linear's: only its backward's inputs change hands
-        add, saved_proj = _project(proj, dtype, precision)
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":
             x = x if add is None else x + add
@@ -379,33 +334,27 @@ def _branch_fwd(x, add, proj, scale, bias, eps, backward, copies, dtype, precisi
             x, y, mean, rstd = layer_norm_forward(x, add, scale, bias, eps=eps, dtype=dtype,
                                                   interpret=_resolve(backward) == "interpret")
             y = y.astype(jnp.float32)
-    return ((x,) if residual else ()) + (y,) * copies, (x, mean, rstd, scale, bias, had_add, saved_proj)
+    return ((x,) if residual else ()) + (y,) * copies, (x, mean, rstd, scale, bias, had_add)
 
 
-def _branch_bwd(eps, backward, copies, dtype, precision, residual, res, cotangents):
+def _branch_bwd(eps, backward, copies, dtype, residual, res, cotangents):
     del eps, copies  # eps: inside rstd; copies: the cotangents' count
     d_x_out, dys = (cotangents[0], cotangents[1:]) if residual else (None, cotangents)
-    x, mean, rstd, scale, bias, had_add, saved_proj = res
+    x, mean, rstd, scale, bias, had_add = res
     res = res[:5]
-    cast = sums = None
     with jax.named_scope(SCOPE):
         if _resolve(backward) == "xla":  # the two passes of layer_norm: fused (on CPUs the same numbers as it)
             dy = sum(dys[1:], dys[0])  # what autodiff would have added before the VJP, in the same order
             dx, d_scale, d_bias = _backward_xla(*res, dy)
             dx = dx if d_x_out is None else d_x_out.astype(x.dtype) + dx
         else:
-            # the rounded copy is only worth writing in a narrower dtype: in fp32 the GEMMs read dx itself and XLA
-            # sums it (the fp32 policy gains nothing from c_proj: pallas, and loses nothing)
-            cast_to = None if saved_proj is None or jnp.dtype(dtype) == x.dtype else dtype
-            dx, ds, db, *extra = layer_norm_backward(
+            dx, ds, db = layer_norm_backward(
                 x, [dy if dy.dtype == jnp.bfloat16 else dy.astype(x.dtype) for dy in dys],
-                None if d_x_out is None else d_x_out.astype(x.dtype), mean, rstd, scale, cast=cast_to,
+                None if d_x_out is None else d_x_out.astype(x.dtype), mean, rstd, scale,
                 interpret=_resolve(backward) == "interpret")
-            cast, sums = extra or (None, None)
             d_scale, d_bias = ds.sum(axis=0).astype(scale.dtype), None if bias is None else db.sum(axis=0).astype(
                 bias.dtype)
-    d_proj = None if saved_proj is None else _project_bwd(saved_proj, dx, cast, sums, dtype, precision)
-    return dx, None if had_add is None else dx, d_proj, d_scale, d_bias
+    return dx, None if had_add is None else dx, d_scale, d_bias
 
 
 _branch.defvjp(_branch_fwd, _branch_bwd)
@@ -414,9 +363,9 @@ _branch.defvjp(_branch_fwd, _branch_bwd)
 def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed"],
                       bias: Float[Array, " embed"] | None, *, eps: float, backward: Backward = "auto",
                       copies: int = 1, add: Float[Array, "rows embed"] | None = None, dtype=jnp.float32,
-                      proj: LinearArgs | None = None, precision=None, residual: bool = True
+                      residual: bool = True
                       ) -> tuple[Float[Array, "rows embed"], ...]:
-    """``(x, layer_norm(x))`` for a residual branch (``Policy.layer_norm = "pallas"``): the same values, with a
+    """``(x, layer_norm(x))`` for a residual branch (``kernels.layer_norm = "pallas"``): the same values, with a
     backward that adds LayerNorm's dx to x's other gradient in the same pass that computes it. ``backward``:
     "kernel" (:func:`layer_norm_backward`, and :func:`layer_norm_forward` for the forward: GPUs), "interpret"
     (those kernels in Pallas' interpreter), "xla" (the passes of :func:`layer_norm`), "auto" (the kernels on GPUs,
@@ -434,13 +383,6 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
     them (on GPUs the attention's q, k and v projections are three GEMMs: their three fp32 input gradients were
     added by an XLA pass of their own, 0.8 GB moved per layer at gpt2 b64).
 
-    ``proj``: ``(y, w, b)``, the branch as a Linear's input, kernel and bias (or None) instead of ``add``: ``add = y @ w
-    + b`` is computed here, as :class:`jaxgpt.model.Linear` computes it (operands in ``dtype``, ``precision``, fp32
-    result, then the bias), and the backward kernel also writes the projection's output gradient in ``dtype`` and
-    its column sums, so that its backward GEMMs and bias gradient read them, not an XLA pass that reads the fp32
-    gradient back to round and sum it (``Policy.c_proj = "pallas"``: the attention's c_proj, 0.3 GB per layer at
-    gpt2 b64). The same values as ``add=`` with the Linear's output, but for the order of the bias gradient's sum.
-
     ``residual=False``: a LayerNorm that is no residual branch (ln_f, after the last block's ``add``): the result is
     ``(y_1, ..., y_copies)`` without x, and the backward kernel reads no residual gradient (a zero one would be
     written and read: 0.2 GB at gpt2 b64)."""
@@ -455,23 +397,51 @@ def layer_norm_branch(x: Float[Array, "rows embed"], scale: Float[Array, " embed
         raise LayerNormKernelError(f"layer_norm_branch takes a float32 x (the residual stream) and an optional float32 "
                                    f"add of its shape, got {x.dtype} {tuple(x.shape)} and "
                                    f"{None if add is None else (str(add.dtype), tuple(add.shape))}")
-    if proj is not None:
-        _check_proj(x, add, proj)
-    return _branch(x, add, None if proj is None else tuple(proj), scale, bias, float(eps), backward, copies,
-                   jnp.dtype(dtype), precision, bool(residual))
+    return _branch(x, add, scale, bias, float(eps), backward, copies, jnp.dtype(dtype), bool(residual))
 
 
-def _check_proj(x, add, proj) -> None:
-    if add is not None:
-        raise LayerNormKernelError("layer_norm_branch takes a branch as add= or as proj=, not both")
-    try:
-        y, w, b = proj
-    except (TypeError, ValueError):
-        raise LayerNormKernelError("layer_norm_branch: proj is (y, w, b): a Linear's input (rows, d_in), kernel "
-                                   "(d_in, embed) and bias (embed,) or None") from None
-    shapes = [tuple(getattr(a, "shape", ())) for a in (y, w)]
-    if len(shapes[0]) != 2 or shapes[0][0] != x.shape[0] or shapes[1] != (shapes[0][1], x.shape[1]) or (
-            b is not None and tuple(b.shape) != (x.shape[1],)):
-        raise LayerNormKernelError(f"layer_norm_branch: proj's y {shapes[0]}, w {shapes[1]} and b "
-                                   f"{None if b is None else tuple(b.shape)} do not make x's {tuple(x.shape)}: want "
-                                   f"(rows, d_in), (d_in, {x.shape[1]}), ({x.shape[1]},)")
+def _reference(x: Float[Array, "rows embed"], scale, bias, eps: float) -> Float[Array, "rows embed"]:
+    """GPT-2's LayerNorm: statistics over the last axis, biased variance (as torch.nn.LayerNorm), eps in the rsqrt."""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = jnp.square(x - mean).mean(axis=-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + eps) * scale
+    return y + bias if bias is not None else y
+
+
+def add_layer_norm(hidden: Float[Array, "batch seq embed"], residual: Float[Array, "batch seq embed"] | None,
+                   scale: Float[Array, " embed"], bias: Float[Array, " embed"] | None, *, eps: float, impl: str,
+                   copies: int = 1, dtype=jnp.float32, keep_residual: bool = True
+                   ) -> tuple[Float[Array, "batch seq embed"], ...]:
+    """The residual add and the LayerNorm after it: ``x = residual + hidden`` (``hidden`` alone where ``residual`` is
+    None: the embeddings), then ``(x, ln(x), ..., ln(x))`` with ``copies`` copies of ln(x), one per GEMM that reads
+    it (without x where ``keep_residual`` is False: ln_f). ``impl`` (``Policy.kernels.layer_norm``): "xla" (the
+    reference: XLA's add, the expression, autodiff), "fused" (:func:`layer_norm`'s two-pass backward), "pallas"
+    (:func:`layer_norm_branch`: on GPUs the add inside one custom VJP whose forward and backward are one Pallas kernel
+    each, ln(x) written in ``dtype``, the GEMMs' operand dtype; elsewhere XLA's add and fused's passes, fused's values
+    bit for bit)."""
+    lead, width = hidden.shape[:-1], hidden.shape[-1]
+    rows = (-1, width)
+    x, add = (hidden, None) if residual is None else (residual, hidden)
+    if impl == "pallas" and x.dtype == jnp.float32:
+        # XLA adds a bf16 branch (autocast's c_proj without a bias: x + a promotes, and autodiff rounds a's gradient its
+        # own way), and every branch where the kernels do not run (CPUs): there the VJP is fused's passes, and the add
+        # inside it changed XLA:CPU's code (fp32 sums in another order), so it stays outside, as fused's
+        if add is not None and (add.dtype != jnp.float32 or _resolve("auto") == "xla"):
+            x, add = x + add, None
+        with jax.named_scope(SCOPE):
+            outs = layer_norm_branch(x.reshape(rows), scale, bias, eps=eps, copies=copies, dtype=dtype,
+                                     add=None if add is None else add.reshape(rows), residual=keep_residual)
+            return tuple(o.reshape(*lead, width) for o in outs)
+    x = x if add is None else x + add
+    with jax.named_scope(SCOPE):  # named scopes label the profile's fusions (benchmarks.gpu.profile)
+        y = _rows(x, scale, bias, eps, fused=impl in ("fused", "pallas"))
+    return ((x,) if keep_residual else ()) + (y,) * copies
+
+
+def _rows(x: Float[Array, "... embed"], scale, bias, eps: float, *, fused: bool) -> Float[Array, "... embed"]:
+    """The LayerNorm of x as (rows, embed), in fp32 (fp64 stays): with a leading batch of 1, XLA:CPU ran the
+    backward's sum over rows for d(scale) ~7x slower on the 3-D (1, T, C) array (6-7 ms per LayerNorm at gpt2's
+    T=1024, 25 per step)."""
+    xr = x.reshape(-1, x.shape[-1]).astype(jnp.promote_types(x.dtype, jnp.float32))
+    y = layer_norm(xr, scale, bias, eps=eps) if fused else _reference(xr, scale, bias, eps)
+    return y.reshape(x.shape)

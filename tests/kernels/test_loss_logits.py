@@ -1,4 +1,4 @@
-"""The fused lm_head cross-entropy's logits (jaxgpt.fused_loss._head_logits): written once, in one dtype.
+"""The fused lm_head cross-entropy's logits (jaxgpt.kernels.loss._head_logits): written once, in one dtype.
 
 * fp32 logits (the default): the GPU path's GEMM output goes through an optimization barrier straight into the
   two passes that read it (no epilogue the GPU would run as a pass of its own);
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import fused_loss, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "parity_tests"))
 from tolerances import BF16_UNIT_ROUNDOFF, bf16_logits_grad_bounds  # noqa: E402
 
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -6,11 +6,11 @@ fp32 logits are never materialised whole, and never twice.
 loss (evaluation); the chunk size (:func:`_chunk_rows`, ``CE_CHUNK_ELEMENTS``) is read by ``jaxgpt.account``'s
 memory model. On GPUs the logits GEMM sits behind an optimization barrier (``LOGITS_BARRIER``) so each chunk's
 logits are written once; ``Policy.logits_dtype`` picks their dtype; ``fp8=True`` runs the logits GEMM on e4m3
-operands (:mod:`jaxgpt.fp8`); ``lm_head="pallas"`` (``Policy.lm_head``) runs the bf16 logits GEMM as a Pallas
-GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the logits for
-them. ``tests/test_ops.py``, ``tests/test_loss_logits.py`` and ``tests/test_loss_kernel.py`` check it against the
-plain expression, values and gradients; what it saved is measured in ``BENCHMARKS.md``.
-"""
+operands (:mod:`jaxgpt.kernels.fp8`); ``lm_head="pallas"`` (``kernels.loss = "pallas"``) runs the bf16 logits GEMM as
+a Pallas GEMM that also writes each tile's row max and sum of exp (:func:`logits_lse`), so no pass re-reads the
+logits for them. ``tests/test_ops.py``, ``tests/kernels/test_loss_logits.py`` and
+``tests/kernels/test_loss_kernel.py`` check it against the plain expression, values and gradients; what it saved is
+measured in ``BENCHMARKS.md``. :func:`apply` is the op's entry point (``Policy.kernels.loss``)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,16 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
-from jaxgpt import fp8 as f8
-from jaxgpt import gemm, ops
+from jaxgpt.kernels import fp8 as f8
+from jaxgpt import ops
+from jaxgpt.kernels import gemm
 from jaxgpt.config import ConfigError
 
 CE_CHUNK_ELEMENTS = 1 << 26  # fp32 logits per chunk of the fused loss on CPU (jaxgpt.account's memory model reads it)
 # on GPUs: every chunk re-reads the bf16 head and rewrites the fp32 dW accumulator (~0.6 GB of HBM traffic at GPT-2's
 # vocabulary), and there is no cache to stay inside; see _chunk_rows
 CE_CHUNK_ELEMENTS_GPU = 1 << 28
-# lm_head: pallas (GPUs; bf16 logits, the row max and sum of exp from the GEMM): 2 GiB of bf16 logits per chunk. Every
+# kernels.loss: pallas (GPUs; bf16 logits, the row max and sum of exp from the GEMM): 2 GiB of bf16 logits per chunk. Every
 # chunk is a loop step with its own fixed work (slices, the dW carry's read and write, the dh rows' copy); at gpt2
 # b16 the loss is one chunk, no loop (predicted -0.2 ms per step), at b64 four of 16,384 rows, where 16 of 4,096 were
 # (the chunk's bf16 logits and softmax gradient, 3.3 GB, against 0.8 GB: the step's memory is still <= 32 GiB)
@@ -70,7 +71,7 @@ def _chunk_rows(n_rows: int, vocab_rows: int, budget: int | None = None, *, fp8:
 
 
 _NT = (((1,), (1,)), ((), ()))  # dot_general dims for a @ b^T
-LmHead = Literal["plain", "pallas"]  # Policy.lm_head
+LmHead = Literal["plain", "pallas"]  # kernels.loss: xla (plain), pallas
 
 
 def _logits_lse_kernel(h_ref, w_ref, raw_ref, m_ref, s_ref, *, bk: int, bn: int, vocab_size: int):
@@ -99,7 +100,7 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
     from jax.experimental import pallas as pl
 
     bf16 = jnp.bfloat16
-    fix = "use lm_head: plain for these shapes or dtypes"
+    fix = "use kernels.loss: xla for these shapes or dtypes"
     gemm.check("logits_lse", {"h": (h, bf16, "(rows, embed)"), "w": (w, bf16, "(vocab_rows, embed)")}, fix)
     (m_rows, k), n = h.shape, w.shape[0]
     bm, bn, bk = gemm.blocks(m_rows, n, k, block)
@@ -109,7 +110,7 @@ def logits_lse(h: Float[Array, "rows embed"], w: Float[Array, "vocab_rows embed"
         raise gemm.GemmKernelError(f"logits_lse: h {tuple(h.shape)} and w {tuple(w.shape)} must share the embedding "
                                    f"width and be multiples of the ({bm}, {bn}, {bk}) blocks; {fix}")
     # row tiles first (the GPU launches the first axis fastest): a chunk's rows (4,096 x 768 in bf16: 6.3 MB) stay in
-    # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.gemm.grid's order
+    # L2 while each block of the head (77 MB in all) is read once, the opposite of jaxgpt.kernels.gemm.grid's order
     raw, tile_m, tile_s = pl.pallas_call(
         partial(_logits_lse_kernel, bk=bk, bn=bn, vocab_size=vocab_size),
         out_shape=(jax.ShapeDtypeStruct((m_rows, n), bf16),
@@ -135,10 +136,10 @@ def _lse_kernel(lm_head: LmHead, dtype, logits_dtype, fp8: bool, vocab_rows: int
     if vocab_rows % gemm.BLOCK_N:
         raise ConfigError(f"lm_head = 'pallas' takes the head's rows in blocks of {gemm.BLOCK_N}, got {vocab_rows} "
                           f"(the vocabulary unpadded): set model.padded_vocab_size to a multiple of {gemm.BLOCK_N} "
-                          "(GPT-2: 50304), or lm_head: plain")
+                          "(GPT-2: 50304), or kernels.loss: xla")
     if width % 16:
         raise ConfigError(f"lm_head = 'pallas' takes an embedding width that is a multiple of 16 (a Triton dot's K), "
-                          f"got n_embd {width}: use lm_head: plain")
+                          f"got n_embd {width}: use kernels.loss: xla")
     return _LSE_IMPL
 
 
@@ -224,9 +225,9 @@ def _head_logits(a, b, precision, logits_dtype, mask_padded
 
 def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
     """(extra scan inputs, operands(h_i, *extra_i), the logits' scale) of the logits GEMM. Without ``fp8``: ((),
-    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.fp8): h and the head rounded to e4m3 with per-tensor scales
-    of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales (a
-    dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.fp8)."""
+    (h_i, w_c), 1). With it (``precision: fp8``, jaxgpt.kernels.fp8): h and the head rounded to e4m3 with per-tensor
+    scales of the whole arrays, the e4m3 chunks fed to the dot as they are and its result multiplied by the two scales
+    (a dequantize-then-dot form was turned back into a bf16 GEMM by XLA:GPU, see jaxgpt.kernels.fp8)."""
     if not fp8:
         return (), lambda h_i: (h_i, w_c), None
     hq, h_scale = f8.quantize(h.astype(dtype))
@@ -237,7 +238,7 @@ def _e4m3_head(h, w_c, pad, chunks_shape, dtype, fp8):
 
 def _head_precision(precision, fp8: bool):
     """The logits GEMM's precision: HIGHEST for e4m3 operands (fp32 accumulation: no cuBLASLt fp8 fast
-    accumulation, see jaxgpt.fp8.e4m3_dot), the policy's otherwise."""
+    accumulation, see jaxgpt.kernels.fp8.e4m3_dot), the policy's otherwise."""
     return lax.Precision.HIGHEST if fp8 else precision
 
 
@@ -362,8 +363,8 @@ def lm_head_cross_entropy(
 ) -> Float[Array, ""]:
     """Mean next-token cross-entropy of the tied lm_head ``logits = h @ w^T`` over the first ``vocab_size``
     columns, in fp32; the same value as ``cross_entropy(logits[..., :vocab_size], targets)``. ``fp8``: the logits
-    GEMM with e4m3 operands (jaxgpt.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits GEMM
-    writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
+    GEMM with e4m3 operands (jaxgpt.kernels.fp8), its backward GEMMs in ``dtype``. ``logits_dtype``: what the logits
+    GEMM writes, fp32 (exact) or bf16 (torch.autocast's bf16 lm_head output: the loss and its gradient computed in fp32
     from the rounded logits; :func:`_head_logits`). ``lm_head``: "pallas" computes the row max and sum of exp in
     the logits GEMM's epilogue on GPUs (:func:`logits_lse`; bf16 logits), "plain" in a pass of their own."""
     C = h.shape[-1]
@@ -408,3 +409,23 @@ def token_cross_entropy(
 
     losses, greedy = lax.map(chunk, (hc, tc, *e4m3_xs))
     return losses.reshape(-1)[:M].reshape(B, T), greedy.reshape(-1)[:M].reshape(B, T)
+
+
+def cross_entropy(logits: Float[Array, "batch seq vocab"], targets: Int[Array, "batch seq"]) -> Float[Array, ""]:
+    """The reference: mean of -log softmax(logits)[target], computed in fp32."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))  # fp32 (fp64 stays)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - target_logit)
+
+
+def apply(h: Float[Array, "batch seq embed"], w: Float[Array, "vocab_rows embed"], targets: Int[Array, "batch seq"],
+          logits, *, vocab_size: int, policy, impl: str) -> Float[Array, ""]:
+    """The tied lm_head and the mean cross-entropy under ``policy`` with ``impl`` (``Policy.kernels.loss``): with
+    ``fast_kernels`` :func:`lm_head_cross_entropy` (the same value, the fp32 logits never materialised whole; "pallas":
+    the row max and sum of exp in the logits GEMM's epilogue on GPUs), else ``cross_entropy(logits(h), targets)``."""
+    if not policy.fast_kernels:
+        return cross_entropy(logits(h), targets)
+    return lm_head_cross_entropy(h, w, targets, vocab_size=vocab_size, dtype=policy.dtype,
+                                 logits_dtype=policy.logits_dtype, precision=policy.lax_precision,
+                                 fp8=policy.fp8_on("lm_head"), lm_head="pallas" if impl == "pallas" else "plain")

@@ -1,4 +1,4 @@
-"""jaxgpt.fused_loss.logits_lse (Policy.lm_head = "pallas"): the bf16 logits GEMM that also writes each tile's row max
+"""jaxgpt.kernels.loss.logits_lse (kernels.loss = "pallas"): the bf16 logits GEMM that also writes each tile's row max
 and sum of exp, in Pallas' interpreter against XLA's GEMM and reduction; the fused loss through the GPU path with it
 against the same loss without it; the policy field; the compiled tiny H100 step holding the kernel.
 
@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import fused_loss, gemm, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss, gemm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
-from tests.test_loss_logits import _gpus
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma
+from tests.kernels.test_loss_logits import _gpus
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -61,7 +62,7 @@ def test_kernel_against_xlas_gemm_and_reduction(vocab_size, block):
 
 def test_kernel_refuses_what_it_cannot_take():
     h, w = _operands(128, 256, 32)
-    with pytest.raises(gemm.GemmKernelError, match=r"multiples of the \(128, 128, 32\) blocks.*lm_head: plain"):
+    with pytest.raises(gemm.GemmKernelError, match=r"multiples of the \(128, 128, 32\) blocks.*kernels.loss: xla"):
         fused_loss.logits_lse(h[:100], w, 256, interpret=True)
     with pytest.raises(gemm.GemmKernelError, match="vocab_size 300"):
         fused_loss.logits_lse(h, w, 300, interpret=True)
@@ -143,23 +144,23 @@ def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert Policy().lm_head == "plain" and TrainConfig.load(None, {}).lm_head == "plain"
-    cfg = TrainConfig.load(None, {"lm_head": "pallas", "logits_dtype": "bfloat16", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(lm_head="pallas", logits_dtype="bfloat16")
-    with pytest.raises(ConfigError, match="Policy.lm_head = 'triton'.*'plain', 'pallas'"):
-        Policy(lm_head="triton")
-    with pytest.raises(ConfigError, match="lm_head = 'pallas' writes.*logits_dtype: bfloat16"):
-        resolve_policy(TrainConfig.load(None, {"lm_head": "pallas"}), "gpu")
-    with pytest.raises(ConfigError, match="fp8 'lm_head'"):
-        Policy.fp8_policy("lm_head", lm_head="pallas", logits_dtype="bfloat16")
-    assert Policy.bf16_autocast(lm_head="pallas").lm_head == "pallas"  # autocast's logits are bf16
+    assert Policy().kernel("loss") == "xla" and resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("loss") == "xla"
+    cfg = TrainConfig.load(None, {"kernels.loss": "pallas", "logits_dtype": "bfloat16", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(logits_dtype="bfloat16", kernels={"loss": "pallas"})
+    with pytest.raises(ConfigError, match="kernels.loss = 'triton': valid choices are xla, pallas"):
+        Policy(kernels={"loss": "triton"})
+    with pytest.raises(ConfigError, match="kernels.loss = 'pallas' needs logits_dtype bfloat16; valid choices .* xla$"):
+        resolve_policy(TrainConfig.load(None, {"kernels.loss": "pallas"}), "gpu")
+    with pytest.raises(ConfigError, match="kernels.loss = 'pallas' needs no fp8 lm_head GEMMs"):
+        Policy.fp8_policy("lm_head", logits_dtype="bfloat16", kernels={"loss": "pallas"})
+    assert Policy.bf16_autocast(kernels={"loss": "pallas"}).kernel("loss") == "pallas"  # autocast's logits are bf16
 
 
 def test_tiny_h100_step_reads_the_kernel_as_the_logits_gemm_and_drops_the_reduction_pass():
-    """The tiny step compiled for the H100 under lm_head=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
+    """The tiny step compiled for the H100 under kernels.loss=pallas (bf16 logits): one Pallas GEMM per chunk in the loss's
     scope, read as a GEMM with the logits GEMM's FLOPs at the least efficient measured GEMM rate; the reduction pass
     over each chunk's logits is gone (what reads them is the gradient's pass alone)."""
-    cs, ks, kp = tiny_h100.kernels_beside_plain(("lm_head=pallas",),
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("kernels.loss=pallas",),
                                                 base=("logits_dtype=bfloat16", "model.padded_vocab_size=50304"))
     loss = lambda kernels: [k for k in kernels if k.category == "lm_head + cross-entropy"]
     pallas = [k for k in loss(ks) if k.gemm.startswith("pallas")]

@@ -1,4 +1,4 @@
-"""jaxgpt.gelu_gemm (Policy.gelu = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
+"""jaxgpt.kernels.mlp (kernels.mlp = "pallas-gemm"): the two Pallas GEMMs with GELU epilogues in Pallas' interpreter
 against the fp64 truth and XLA's expression, the MLP's custom VJP against autodiff of the plain MLP, a tiny GPT under
 the policy, the policy field, and the compiled tiny H100 step holding the kernels, read as GEMMs.
 
@@ -8,7 +8,7 @@ value as XLA's but for that order. The forward's h adds the bias (one more round
 + |b|). gelu(h) in fp32 is within 16 u |h| (1 + |a|) of its exact value at that h (a = K (h + C3 h^3); the tanh form's
 roundings, each against the magnitude it rounds) and moves by at most 1.13 |dh| (GELU's slope is below 1.13), and
 bf16 rounds it once more: one bf16 ulp of the larger of two such values. The backward's dh = dg * gelu'(h) takes
-tests/test_gelu_kernel.py's fp32 bound 16 u S (with the GEMM's dg for g) plus |gelu'(h)| times dg's sum-order bound,
+tests/kernels/test_gelu.py's fp32 bound 16 u S (with the GEMM's dg for g) plus |gelu'(h)| times dg's sum-order bound,
 and one bf16 ulp; the bias gradient sums R rows as there.
 """
 
@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gelu, gelu_gemm, gemm, ops
+from jaxgpt import ops
+from jaxgpt.kernels import gelu, mlp as gelu_gemm, gemm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma, _truth
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma, _truth
 from tests.tiny_training import tiny_adamw_losses
 
 BF16 = jnp.bfloat16
@@ -74,7 +75,7 @@ def test_forward_kernel_against_the_truth_and_xla(m, k, n, block):
                          ids=["tiles", "ragged", "default-blocks"])
 def test_backward_kernel_against_the_truth_and_xla(m, k, n, block):
     """dh = (g @ w^T) gelu'(h), bf16, within one bf16 ulp plus the derived bound of the XLA path's (c_proj's dx GEMM,
-    then jaxgpt.gelu's expression); the bias gradient (the partial sums' sum) within the fp32 bound of the truth."""
+    then jaxgpt.kernels.gelu's expression); the bias gradient (the partial sums' sum) within the fp32 bound of the truth."""
     r = np.random.default_rng(1)
     g, w = _bf16(r.standard_normal((m, k))), _bf16(r.standard_normal((n, k)) / np.sqrt(k))
     h = jnp.asarray(3.0 * r.standard_normal((m, n)), jnp.float32)
@@ -97,7 +98,7 @@ def test_kernels_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gelu_gemm.fc_gemm_gelu(x[None], w, b, interpret=True)
-    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32.*gelu: plain"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match="x must be bfloat16, got float32.*kernels.mlp: xla"):
         gelu_gemm.fc_gemm_gelu(x.astype(jnp.float32), w, b, interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match=r"do not chain.*\(d_in, d_ff\)"):
         gelu_gemm.fc_gemm_gelu(x, w.T, b, interpret=True)
@@ -111,7 +112,7 @@ def test_kernels_refuse_what_they_cannot_take():
         gelu_gemm.proj_gemm_gelu_backward(x, w.T, jnp.ones((8, 16)), interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match="impl = 'triton'"):
         gelu_gemm.mlp(x, w, b, w.T, impl="triton")
-    with pytest.raises(gelu_gemm.GemmKernelError, match="out_dtype bfloat16.*gelu: plain"):
+    with pytest.raises(gelu_gemm.GemmKernelError, match="out_dtype bfloat16.*kernels.mlp: xla"):
         gelu_gemm.mlp(x, w, b, w.T, out_dtype=BF16)
 
 
@@ -185,36 +186,42 @@ def test_mlp_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32) under Policy(gelu='pallas-gemm'), bf16: with the CPU's own path (XLA) its 3
+    """A tiny GPT (2 layers, n_embd 32) under Policy(kernels={"mlp": 'pallas-gemm'}), bf16: with the CPU's own path (XLA) its 3
     AdamW losses are the plain policy's bit for bit; with the GPU's kernels (interpreted) within 1e-4 relative."""
     plain = tiny_adamw_losses(Policy.bf16(), 3)
     assert plain[-1] < plain[0] - 0.05, plain
-    assert tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3) == plain
+    assert tiny_adamw_losses(Policy.bf16(kernels={"mlp": "pallas-gemm"}), 3) == plain
     monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
-    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm"), 3), plain, rtol=1e-4)
+    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(kernels={"mlp": "pallas-gemm"}), 3), plain, rtol=1e-4)
 
 
 def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm")
-    assert resolve_policy(cfg, "cpu").gelu == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
-    with pytest.raises(ConfigError, match="'plain', 'pallas', 'pallas-gemm'"):
-        Policy(gelu="gemm")
-    for kw in ({"gemm_output": "bfloat16"}, {"fp8": "mlp"}, {"fast_kernels": False}):
-        with pytest.raises(ConfigError, match="Policy.gelu = 'pallas-gemm' replaces.*gelu: plain"):
-            Policy(compute_dtype="bfloat16", gelu="pallas-gemm", **kw)
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-gemm", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-gemm"})
+    assert resolve_policy(cfg, "cpu").kernel("mlp") == "pallas-gemm"  # fp32 or bf16 compute: XLA's path there
+    assert resolve_policy(TrainConfig.load(None, {"kernels": "pallas"}), "gpu").kernel("mlp") == "pallas-gemm"
+    with pytest.raises(ConfigError, match="kernels.mlp = 'gemm': valid choices are xla, pallas-gemm, pallas-recompute"):
+        Policy(kernels={"mlp": "gemm"})
+    with pytest.raises(ConfigError, match="gelu: replaced by kernels.*--kernels.mlp=NAME"):
+        TrainConfig.load(None, {"gelu": "pallas-gemm"})  # the old flag: refused, naming the new one
+    for kw, why in (({"gemm_output": "bfloat16"}, "gemm_output float32"), ({"fp8": "mlp"}, "no fp8 mlp GEMMs"),
+                    ({"fast_kernels": False}, "fast_kernels")):
+        with pytest.raises(ConfigError, match=f"kernels.mlp = 'pallas-gemm' needs {why}.*; valid choices with this precision are xla$"):
+            Policy(compute_dtype="bfloat16", **kw, kernels={"mlp": "pallas-gemm"})
+        # the preset takes the reference where the numerics rule its kernels out
+        assert Policy(compute_dtype="bfloat16", **kw, kernels="pallas").kernel("mlp") == "xla"
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate():
-    """The tiny step compiled for the H100 under gelu=pallas-gemm: two Pallas GEMMs per layer (c_fc + bias + GELU in
+    """The tiny step compiled for the H100 under kernels.mlp=pallas-gemm: two Pallas GEMMs per layer (c_fc + bias + GELU in
     the forward, c_proj's input gradient times gelu'(h) in the backward), each read as a GEMM with the FLOPs of the
     plain program's GEMM it replaces (the step's GEMM FLOPs are the plain step's) plus its epilogue's extra bytes;
     the GEMM part is priced at the least efficient measured GEMM rate, the epilogue at the least efficient fusion
     rate; no XLA fusion is left in gelu's scope but the reduction of the bias gradient's partial sums."""
-    cs, ks, kp = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
     epilogues = [k for k in ks if k.name.endswith(" epilogue")]
     layers = cs.cfg.model.n_layer
@@ -237,7 +244,7 @@ def test_tiny_h100_step_reads_the_kernels_as_gemms_at_the_slowest_measured_rate(
         ("pallas-gemm", "gemm_nn_bias_gelu"), ("pallas-gemm", "gemm_nt_gelu_backward")}
 
 
-# ---- gelu: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
+# ---- kernels.mlp: pallas-recompute: the backward computes h again instead of the forward keeping it ----------------------
 def mlp_inputs(seed: int, rows: int = 168, d: int = 48, f: int = 96):
     """fp32 (x, w_fc, b_fc, w_proj, b_proj, output cotangent) of an MLP on 168 rows (two 128-row tiles, one ragged)."""
     r = np.random.default_rng(seed)
@@ -250,8 +257,8 @@ def mlp_inputs(seed: int, rows: int = 168, d: int = 48, f: int = 96):
 @pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
 def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
     """proj_gemm_gelu_backward(fc=(x, w_fc, b_fc)) (interpreted) against the same kernel handed the forward kernel's h:
-    dh and its column sums bit for bit (h is computed again with the forward's tiles and K steps), with a bf16 g and
-    with an fp32 one (c_proj: pallas's results too); the forward kernel without h writes the same gelu(h)."""
+    dh and its column sums bit for bit (h is computed again with the forward's tiles and K steps); the forward kernel
+    without h writes the same gelu(h)."""
     x, w_fc, b = _fwd_inputs(m, k, n, seed=5)
     r = np.random.default_rng(6)
     g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
@@ -260,12 +267,11 @@ def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
     none, y2 = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block, keep_h=False)
     assert none is None
     np.testing.assert_array_equal(_f64(y2), _f64(y))
-    for gi in (g.astype(BF16), g):
-        want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h, interpret=True, block=block)
-        got = gelu_gemm.proj_gemm_gelu_backward(gi, w, None, fc=(x, w_fc, b), interpret=True, block=block)
-        assert len(got) == len(want) == (4 if gi.dtype == jnp.float32 else 2)
-        for u, v in zip(got, want, strict=True):
-            np.testing.assert_array_equal(_f64(u), _f64(v))
+    want = gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, h, interpret=True, block=block)
+    got = gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, None, fc=(x, w_fc, b), interpret=True, block=block)
+    assert len(got) == len(want) == 2
+    for u, v in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_f64(u), _f64(v))
     with pytest.raises(gelu_gemm.GemmKernelError, match="takes h or fc="):
         gelu_gemm.proj_gemm_gelu_backward(g.astype(BF16), w, h, fc=(x, w_fc, b), interpret=True)
     with pytest.raises(gelu_gemm.GemmKernelError, match="w_fc must be bfloat16"):
@@ -273,16 +279,14 @@ def test_recomputing_backward_kernel_is_the_kernel_handed_h(m, k, n, block):
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
-def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
+def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl):
     """gelu_gemm.mlp(recompute=True) against recompute=False, values and every gradient bit for bit, on XLA's path
-    and the kernels' (interpreted), with c_proj's bias folded in or not."""
+    and the kernels' (interpreted)."""
     x, wf, bf, wp, bp, ct = mlp_inputs(seed=7)
     outs = []
     for recompute in (False, True):
         def run(x, wf, bf, wp, bp, recompute=recompute):
-            return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold,
-                                 recompute=recompute)
+            return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, recompute=recompute) + bp
         y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
         outs.append((y, *vjp(ct)))
     for u, v in zip(*outs, strict=True):
@@ -290,19 +294,19 @@ def test_recomputing_mlp_is_the_mlp_that_keeps_h(impl, fold):
 
 
 def test_recompute_policy_and_its_h100_step_reads_two_gemms():
-    """gelu: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
-    gelu: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
+    """kernels.mlp: pallas-recompute is a Policy and TrainConfig value; the tiny step compiled for the H100 under it beside
+    kernels.mlp: pallas-gemm: c_proj's input-gradient kernel is read as two GEMMs (its FLOPs are the pallas-gemm kernel's
     plus the c_fc GEMM's it recomputes), the forward kernel writes half as many bytes less (no fp32 h), the backward
     reads no h, and the step needs less memory by h's (rows, 4 x embed) fp32 per layer."""
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-recompute", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-recompute")
-    with pytest.raises(ConfigError, match="'pallas-gemm', 'pallas-recompute'"):
-        Policy(gelu="recompute")
-    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-recompute",))
-    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-recompute", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"mlp": "pallas-recompute"})
+    with pytest.raises(ConfigError, match="kernels.mlp = 'recompute': valid choices are xla, pallas-gemm, pallas-recompute"):
+        Policy(kernels={"mlp": "recompute"})
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-recompute",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
     two = [k for k in ks if "gemm2_ntnn_gelu_backward" in k.op_name and k.gemm]
     one = [k for k in kg if "gemm_nt_gelu_backward" in k.op_name and k.gemm]
@@ -321,12 +325,12 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
     assert cg.memory()["temp"] - cs.memory()["temp"] >= h_bytes * layers
 
 
-# ---- gelu: pallas-gemm-bf16h: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
+# ---- gelu_h_dtype: bfloat16: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
 @pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
 def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
     """fc_gemm_gelu(h_dtype=bfloat16) writes the fp32 kernel's h rounded to bf16 and the same gelu(h) (computed from
     the fp32 h), bit for bit; proj_gemm_gelu_backward handed that bf16 h computes exactly what it computes from the
-    same values widened to fp32 (dh, its column sums, and with an fp32 g its rounding and sums), and not what it
+    same values widened to fp32 (dh and its column sums), and not what it
     computes from the unrounded h."""
     x, w_fc, b = _fwd_inputs(m, k, n, seed=8)
     h, y = gelu_gemm.fc_gemm_gelu(x, w_fc, b, interpret=True, block=block)
@@ -337,7 +341,7 @@ def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
     r = np.random.default_rng(9)
     g = jnp.asarray(r.standard_normal((m, k)), jnp.float32)
     w = _bf16(r.standard_normal((n, k)) / np.sqrt(n))
-    for gi in (g.astype(BF16), g):
+    for gi in (g.astype(BF16),):
         got = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16, interpret=True, block=block)
         want = gelu_gemm.proj_gemm_gelu_backward(gi, w, h16.astype(jnp.float32), interpret=True, block=block)
         for u, v in zip(got, want, strict=True):
@@ -346,28 +350,27 @@ def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
         assert np.any(_f64(got[0]) != _f64(unrounded[0]))  # the rounding reaches dh
 
 
-def _mlp_run(impl, fold, h_dtype, seed=10):
+def _mlp_run(impl, h_dtype, seed=10):
     x, wf, bf, wp, bp, ct = mlp_inputs(seed=seed)
 
     def run(x, wf, bf, wp, bp):
-        return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, b_proj=bp if fold else None, fold=fold, h_dtype=h_dtype)
+        return gelu_gemm.mlp(x, wf, bf, wp, impl=impl, h_dtype=h_dtype) + bp
     y, vjp = jax.vjp(run, x, wf, bf, wp, bp)
     return (x, wf, bf, wp, ct), (y, *vjp(ct))
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-@pytest.mark.parametrize("fold", [False, True], ids=["", "c_proj-pallas"])
-def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
+def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl):
     """gelu_gemm.mlp(h_dtype=bfloat16) against the mlp that keeps the fp32 h, on XLA's path and the kernels'
     (interpreted): the value and c_proj's gradients (dW_proj, its bias) bit for bit (the forward is unchanged);
     dx, dW_fc and d(b_fc) differ (the rounding reaches them), by at most what rounding h moves dh by, carried through
     the GEMMs: h to bf16 moves it by at most u |h| (u = 2^-8, round to nearest), gelu'(h) by |gelu''(xi)| u |h| for
     some xi between the two, at most u max_x |x gelu''(x)| / (1 - u) <= 0.34 u (max |x gelu''(x)| = 0.3309, at
     |x| = 0.662, for the tanh form), so dh = g gelu'(h) by 0.34 u |g|, plus one bf16 ulp of dh either side (a rounding
-    boundary between them) and two fp32 evaluations of gelu' (16 u_32 S each, tests/test_gelu_kernel.py). On XLA's
+    boundary between them) and two fp32 evaluations of gelu' (16 u_32 S each, tests/kernels/test_gelu.py). On XLA's
     path the gradients are also the plain expressions' on the rounded h, bit for bit."""
-    (x, wf, bf, wp, ct), keep = _mlp_run(impl, fold, jnp.float32)
-    _, half = _mlp_run(impl, fold, BF16)
+    (x, wf, bf, wp, ct), keep = _mlp_run(impl, jnp.float32)
+    _, half = _mlp_run(impl, BF16)
     names = ("y", "dx", "dW_fc", "d(b_fc)", "dW_proj", "d(b_proj)")
     for name in ("y", "dW_proj", "d(b_proj)"):
         i = names.index(name)
@@ -398,22 +401,32 @@ def test_bf16h_mlp_moves_only_the_backward_and_by_one_rounding_of_h(impl, fold):
 
 
 def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
-    """gelu: pallas-gemm-bf16h is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
+    """gelu_h_dtype: bfloat16 is a Policy and TrainConfig value of bf16 policies (refused with fp32 compute); a tiny
     GPT under it starts from the plain bf16 policy's loss bit for bit (the forward is unchanged) and trains to within
     1e-3 of its losses, with the kernels (interpreted) as with XLA's path; the tiny step compiled for the H100 beside
-    gelu: pallas-gemm: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
+    kernels.mlp: pallas-gemm alone: the same kernels, the forward one writing and the backward one reading h in bf16 (h's
     (rows, 4 x embed) bytes halved in each, per layer), and the step needs less memory by that much."""
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    cfg = TrainConfig.load(None, {"gelu": "pallas-gemm-bf16h", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu="pallas-gemm-bf16h")
-    with pytest.raises(ConfigError, match="'pallas-gemm-bf16h' keeps h in bf16.*compute_dtype 'float32'.*pallas-gemm"):
-        Policy.fp32(gelu="pallas-gemm-bf16h")
-    with pytest.raises(ConfigError, match="'pallas-recompute', 'pallas-gemm-bf16h'"):
-        Policy(gelu="bf16h")
-    cs, ks, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm-bf16h",))
-    cg, kg, _ = tiny_h100.kernels_beside_plain(("gelu=pallas-gemm",))
+    cfg = TrainConfig.load(None, {"kernels.mlp": "pallas-gemm", "gelu_h_dtype": "bfloat16", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
+    with pytest.raises(ConfigError, match="gelu_h_dtype = 'bfloat16' keeps h in bf16.*compute_dtype 'float32'.*"
+                                          "gelu_h_dtype: float32"):
+        Policy.fp32(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"})
+    with pytest.raises(ConfigError, match="kernels.mlp = 'bf16h': valid choices are xla, pallas-gemm, pallas-recompute"):
+        Policy(kernels={"mlp": "bf16h"})
+    # the CPU's checks first (the compiled H100 step below needs JAX's CUDA plugin, and skips without it)
+    plain = tiny_adamw_losses(Policy.bf16(), 3)
+    xla = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
+    with monkeypatch.context() as m:
+        m.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
+        kernels = tiny_adamw_losses(Policy.bf16(gelu_h_dtype="bfloat16", kernels={"mlp": "pallas-gemm"}), 3)
+    assert xla[0] == plain[0] and xla != plain
+    np.testing.assert_allclose(xla, plain, rtol=1e-3)
+    np.testing.assert_allclose(kernels, xla, rtol=1e-4)
+    cs, ks, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm", "gelu_h_dtype=bfloat16",))
+    cg, kg, _ = tiny_h100.kernels_beside_plain(("kernels.mlp=pallas-gemm",))
     rows, embed, layers = cs.micro_batch * cs.cfg.seq_len, cs.cfg.model.n_embd, cs.cfg.model.n_layer
     assert sorted(k.name for k in ks if k.gemm) == sorted(k.name for k in kg if k.gemm)
     half_h = rows * 4 * embed * 2
@@ -421,10 +434,3 @@ def test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h(monkeypatch):
         b16, b32 = (sum(k.bytes for k in kk if name in k.op_name) for kk in (ks, kg))
         assert b32 - b16 == half_h * layers, name
     assert cg.memory()["temp"] - cs.memory()["temp"] >= half_h * layers
-    plain = tiny_adamw_losses(Policy.bf16(), 3)
-    xla = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
-    monkeypatch.setattr(gelu_gemm, "_resolve", lambda impl, dtype: "interpret")
-    kernels = tiny_adamw_losses(Policy.bf16(gelu="pallas-gemm-bf16h"), 3)
-    assert xla[0] == plain[0] and xla != plain
-    np.testing.assert_allclose(xla, plain, rtol=1e-3)
-    np.testing.assert_allclose(kernels, xla, rtol=1e-4)

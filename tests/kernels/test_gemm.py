@@ -1,4 +1,4 @@
-"""jaxgpt.gemm and jaxgpt.qkv (Policy.qkv = "pallas"): the GEMM with a bias + bf16 epilogue and the GEMM summing
+"""jaxgpt.kernels.gemm and jaxgpt.kernels.qkv (kernels.qkv = "pallas"): the GEMM with a bias + bf16 epilogue and the GEMM summing
 several lhs blocks, in Pallas' interpreter against the fp64 truth and XLA's expression; the q, k, v projections' custom
 VJP against autodiff of the plain path; a tiny GPT under the policy; the policy field; the compiled tiny H100 step
 holding the kernels, read as GEMMs.
@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import gemm, ops, qkv
+from jaxgpt import ops
+from jaxgpt.kernels import gemm, qkv
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
 from tests import tiny_h100
-from tests.test_gelu_gemm import BF16, SMALL, _f64, _fwd_inputs
-from tests.test_gelu_kernel import U, _bf16_ulp, _check, _gamma
+from tests.kernels.test_mlp import BF16, SMALL, _f64, _fwd_inputs
+from tests.kernels.test_gelu import U, _bf16_ulp, _check, _gamma
 from tests.tiny_training import tiny_adamw_losses
 
 
@@ -43,12 +44,14 @@ def test_bias_cast_kernel_against_the_truth_and_xla(m, k, n, block):
 
 @pytest.mark.parametrize("k, n, block", [(48, 96, SMALL), (48, 96, (32, 16, 16)), (48, 90, SMALL),
                                          (40, 96, (32, 16, 16))],
-                         ids=["one-tile-blocks", "two-tile-blocks", "ragged-block", "ragged-k"])
-def test_a_column_block_read_in_place_is_the_kernel_on_its_slice(k, n, block):
+                         ids=["one-tile-blocks", "two-tile-blocks", "ragged-block-sliced", "ragged-k-sliced"])
+def test_a_column_block_is_the_kernel_on_its_slice(k, n, block):
     """column_block=(s, 3): the s-th third of w and b, read in place where a third and K are whole tiles (96 = 3 x
-    32: one tile of 32 per third, or two of 16, the block's first tile at 2 s: the q, k, v case has six of 128) and
-    sliced first where they are not (90: 30 columns; K 40 in steps of 16: padded): bit for bit the kernel on the
-    slice, with or without a bias."""
+    32: one tile of 32 per third, or two of 16, the block's first tile at 2 s: the q, k, v case has six of 128): bit
+    for bit the kernel on the slice, with or without a bias. Where they are not (90: 30 columns; K 40 in steps of 16:
+    padded) the block is sliced first, so that comparison is the fallback with itself: there (and everywhere) the
+    block is also checked against the fp64 truth of x @ w[:, block] + b[block], within one bf16 ulp plus
+    gamma_(K+1) sum |x| |w| + |b|."""
     x, w, b = _fwd_inputs(40, k, n)
     third = n // 3
     for s in range(3):
@@ -58,6 +61,10 @@ def test_a_column_block_read_in_place_is_the_kernel_on_its_slice(k, n, block):
             want = gemm.gemm_bias_cast(x, w[:, cols], bias_slice, interpret=True, block=block)
             assert got.shape == (40, third)
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+            bias64 = 0.0 if bias is None else _f64(bias_slice)
+            truth = _f64(x) @ _f64(w[:, cols]) + bias64
+            absw = np.abs(_f64(x)) @ np.abs(_f64(w[:, cols])) + np.abs(bias64)
+            _check(f"block {s} vs truth", got, truth, _bf16_ulp(got, truth) + _gamma(k + 1) * absw + 1e-30)
     with pytest.raises(gemm.GemmKernelError, match=r"column_block \(3, 3\).*0 <= s < count"):
         gemm.gemm_bias_cast(x, w, b, interpret=True, column_block=(3, 3))
     with pytest.raises(gemm.GemmKernelError, match="count dividing the columns"):
@@ -83,7 +90,7 @@ def test_kernels_and_projections_refuse_what_they_cannot_take():
     x, w, b = _fwd_inputs(8, 16, 32)
     with pytest.raises(gemm.GemmKernelError, match=r"x must be 2-D, \(rows, d_in\).*reshape"):
         gemm.gemm_bias_cast(x[None], w, b, interpret=True)
-    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32.*qkv: plain"):
+    with pytest.raises(gemm.GemmKernelError, match="w must be bfloat16, got float32.*kernels.qkv: xla"):
         gemm.gemm_bias_cast(x, w.astype(jnp.float32), b, interpret=True)
     with pytest.raises(gemm.GemmKernelError, match=r"do not chain.*\(d_out,\)"):
         gemm.gemm_bias_cast(x, w, b[:8], interpret=True)
@@ -157,41 +164,51 @@ def test_projections_vjp_against_autodiff_of_the_plain_path(with_bias, batch):
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT under Policy(qkv='pallas'), bf16: on the CPU (where the kernels do not apply) its 3 AdamW losses are
-    the plain policy's bit for bit; with the GPU's path forced here (jaxgpt.qkv's op, its kernels interpreted: q, k
-    and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's does on GPUs)
-    within 1e-4 relative."""
+    """A tiny GPT under kernels.qkv = "pallas", bf16, with the GPU's path forced here (jaxgpt.kernels.qkv.projections:
+    q, k and v in bf16 before attention, whose CPU backward then rounds dq, dk, dv to bf16 as cuDNN's does on GPUs):
+    with the op's XLA expression (impl "xla") and with its kernels (interpreted), 3 AdamW losses within 1e-4 relative
+    of the plain policy's, the kernels' within 1e-4 of the XLA expression's. (On the CPU itself the op runs the
+    reference path: the registry's platforms, checked in test_policy_field_and_train_config.)"""
     plain = tiny_adamw_losses(Policy.bf16(), 3)
     assert plain[-1] < plain[0] - 0.05, plain
-    assert tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3) == plain
     monkeypatch.setattr(qkv, "applies", lambda dtype: True)
-    monkeypatch.setattr(qkv, "projections", functools.partial(qkv.projections, impl="interpret"))
-    np.testing.assert_allclose(tiny_adamw_losses(Policy.bf16(qkv="pallas"), 3), plain, rtol=1e-4)
+    projections = qkv.projections
+    monkeypatch.setattr(qkv, "projections", functools.partial(projections, impl="xla"))
+    xla = tiny_adamw_losses(Policy.bf16(kernels={"qkv": "pallas"}), 3)
+    monkeypatch.setattr(qkv, "projections", functools.partial(projections, impl="interpret"))
+    kernels = tiny_adamw_losses(Policy.bf16(kernels={"qkv": "pallas"}), 3)
+    np.testing.assert_allclose(xla, plain, rtol=1e-4)
+    np.testing.assert_allclose(kernels, xla, rtol=1e-4)
 
 
 def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert Policy().qkv == "plain" and TrainConfig.load(None, {}).qkv == "plain"  # the default is unchanged
-    cfg = TrainConfig.load(None, {"qkv": "pallas", "precision": "auto"})
-    assert resolve_policy(cfg, "gpu") == Policy.bf16(qkv="pallas")
-    with pytest.raises(ConfigError, match="Policy.qkv = 'triton'.*'plain', 'pallas'"):
-        Policy(qkv="triton")
-    with pytest.raises(ConfigError, match="qkv"):
-        TrainConfig.load(None, {"qkv": "fast"})
-    for kw in ({"gemm_output": "bfloat16"}, {"fp8": "all"}, {"attention": "einsum"}):
-        with pytest.raises(ConfigError, match="Policy.qkv = 'pallas' rounds.*qkv: plain"):
-            Policy(compute_dtype="bfloat16", qkv="pallas", **kw)
-    assert Policy.fp8_policy("mlp+lm_head", qkv="pallas").qkv == "pallas"  # the attention's GEMMs stay bf16 there
+    assert resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("qkv") == "xla"  # the default is unchanged
+    cfg = TrainConfig.load(None, {"kernels.qkv": "pallas", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"qkv": "pallas"})
+    from jaxgpt.kernels import registry
+
+    assert registry.implementations("qkv", "cpu") == ["xla"] and registry.implementations("qkv", "gpu", "bfloat16") \
+        == ["xla", "pallas"]  # on the CPU kernels.qkv = "pallas" runs the reference path
+    with pytest.raises(ConfigError, match="kernels.qkv = 'triton': valid choices are xla, pallas"):
+        Policy(kernels={"qkv": "triton"})
+    with pytest.raises(ConfigError, match="kernels.qkv = 'fast': valid choices are xla, pallas"):
+        TrainConfig.load(None, {"kernels.qkv": "fast"})
+    for kw, why in (({"gemm_output": "bfloat16"}, "gemm_output float32"), ({"fp8": "all"}, "no fp8 attn GEMMs"),
+                    ({"kernels": {"attention": "einsum", "qkv": "pallas"}}, "attention not einsum")):
+        with pytest.raises(ConfigError, match=f"kernels.qkv = 'pallas' needs {why}.*; valid choices with this precision are xla$"):
+            Policy(compute_dtype="bfloat16", **{"kernels": {"qkv": "pallas"}, **kw})
+    assert Policy.fp8_policy("mlp+lm_head", kernels={"qkv": "pallas"}).kernel("qkv") == "pallas"  # the attention's GEMMs stay bf16 there
 
 
 def test_tiny_h100_step_reads_the_kernels_as_gemms_and_drops_attentions_converts():
-    """The tiny step compiled for the H100 under qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
+    """The tiny step compiled for the H100 under kernels.qkv=pallas: per layer three Pallas GEMMs forward (q, k, v: bias and
     bf16 in the epilogue, each reading its column block of W_attn in place) and one backward (the input gradient of all three), each read as a GEMM at the least
     efficient measured GEMM rate, with the plain program's GEMM FLOPs in all; the convert passes in attention's scope
     are gone, and the step moves fewer bytes."""
-    cs, ks, kp = tiny_h100.kernels_beside_plain(("qkv=pallas",))
+    cs, ks, kp = tiny_h100.kernels_beside_plain(("kernels.qkv=pallas",))
     pallas = [k for k in ks if k.gemm.startswith("pallas")]
     layers = cs.cfg.model.n_layer
     assert sorted(k.gemm for k in pallas) == ["pallas bf16->bf16 NN"] * 3 * layers + ["pallas bf16->f32 NT"] * layers

@@ -1,10 +1,10 @@
-"""jaxgpt.norm's layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
+"""jaxgpt.kernels.layer_norm's kernels.layer_norm: pallas: the LayerNorm backward kernel that also adds the residual stream's gradient and
 the forward kernel that adds the branch and writes ln(x) in the GEMMs' dtype (in Pallas' interpreter) against the
 fp64 truth and the fused two-pass backward, the (x, ln(x)) branch's custom VJP against autodiff of the plain
 expression (its bf16 output's gradients fp32), a tiny GPT under the policy, the policy field, and the compiled tiny
 H100 step holding both kernels once per block LayerNorm (ln_1's backward summing q, k and v's input gradients).
 
-Bounds (derived, not fitted; u = 2^-24, fp32), as tests/test_norm.py derives them: LayerNorm's dx lies within
+Bounds (derived, not fitted; u = 2^-24, fp32), as tests/kernels/test_layer_norm.py derives them: LayerNorm's dx lies within
 gamma_{C+8} S_dx of the fp64 truth (C the width), d(scale) and d(bias) within gamma_{R+8} of their sums of absolute
 terms (R rows; Higham's bound holds for a sum in any order, so also for the kernel's per-block partial sums summed
 afterwards). The kernel's output dres + dx adds one rounding of at most u |dres + dx|, so it lies within
@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgpt import norm
+from jaxgpt.kernels import layer_norm as norm
 from jaxgpt.config import ConfigError
 from jaxgpt.precision import Policy
-from tests.test_norm import EPS, _check, _gamma, _inputs, _truth
+from tests.kernels.test_layer_norm import EPS, _check, _gamma, _inputs, _truth
 from tests.tiny_training import tiny_adamw_losses
 
 U = 2.0 ** -24
@@ -62,7 +62,7 @@ def test_kernel_matches_the_truth_and_the_two_pass_backward(rows, dim):
 def test_forward_kernel_matches_the_truth(rows, dim, with_add, dtype):
     """layer_norm_forward (interpreted) on ragged rows and a width that is not a power of two: x + add is the fp32
     sum bit for bit; mean within gamma_C of the sum of |x| / C, rstd within gamma_{C+8} r of the truth (relative; r:
-    tests.test_norm._truth's factor of the variance's error); y within gamma_{C+8} S_y of the fp64 truth in fp32,
+    tests.kernels.test_layer_norm._truth's factor of the variance's error); y within gamma_{C+8} S_y of the fp64 truth in fp32,
     and in bf16 one more rounding: 2^-8 of |y| plus that bound."""
     x, add, _, scale, bias = _kernel_inputs(rows, dim, seed=3)
     xj, sj, bj = (jnp.asarray(a, jnp.float32) for a in (x, scale, bias))
@@ -280,28 +280,28 @@ def test_a_branch_without_its_residual_is_the_branch_with_a_zero_residual_gradie
 
 
 def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[float]:
-    """tests.tiny_training's AdamW losses with jaxgpt.norm's backward forced to ``backward``."""
+    """tests.tiny_training's AdamW losses with jaxgpt.kernels.layer_norm's backward forced to ``backward``."""
     monkeypatch.setattr(norm, "_resolve", lambda b: backward)
     return tiny_adamw_losses(policy, steps)
 
 
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
-    """A tiny GPT (2 layers, n_embd 32) under Policy(layer_norm='pallas'), bf16 compute, with the GPU's backward (the
+    """A tiny GPT (2 layers, n_embd 32) under kernels.layer_norm = "pallas", bf16 compute, with the GPU's backward (the
     kernel, interpreted: LayerNorm gradients within fp32 rounding of the plain ones) takes 4 AdamW steps to the plain
     policy's losses within 1e-4 relative (fp32 rounding differences, amplified by a few bf16 GEMM roundings and
     AdamW's normalisation), and the losses fall; with the CPU's backward it trains exactly as layer_norm: fused."""
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
-    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
-    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
-        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+    np.testing.assert_allclose(_train(Policy.bf16(kernels={"layer_norm": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(kernels={"layer_norm": "pallas"}), "xla", monkeypatch) == _train(
+        Policy.bf16(kernels={"layer_norm": "fused"}), "xla", monkeypatch)
 
 
 @pytest.mark.parametrize("name, policy, bias", [
-    ("bf16 + gelu: pallas", lambda ln: Policy.bf16(layer_norm=ln, gelu="pallas"), True),
-    ("bf16-autocast", lambda ln: Policy.bf16_autocast(layer_norm=ln), True),
-    ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(layer_norm=ln), False),
-    ("fp8", lambda ln: Policy.fp8_policy(layer_norm=ln), True)], ids=lambda v: v if isinstance(v, str) else "")
+    ("bf16 + mlp: pallas-gemm", lambda ln: Policy.bf16(kernels={"layer_norm": ln, "mlp": "pallas-gemm"}), True),
+    ("bf16-autocast", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), True),
+    ("bf16-autocast, no biases (a bf16 branch output)", lambda ln: Policy.bf16_autocast(kernels={"layer_norm": ln}), False),
+    ("fp8", lambda ln: Policy.fp8_policy(kernels={"layer_norm": ln}), True)], ids=lambda v: v if isinstance(v, str) else "")
 def test_pallas_trains_as_fused_under_the_other_opt_in_policies(name, policy, bias, monkeypatch):
     """On CPUs layer_norm: pallas is fused's passes: under the other policies its branch (adding the attention's
     output itself, or leaving a bf16 one to XLA's add) takes 4 AdamW steps to fused's losses bit for bit."""
@@ -311,30 +311,30 @@ def test_pallas_trains_as_fused_under_the_other_opt_in_policies(name, policy, bi
 
 def test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_losses(monkeypatch):
     """The GPU's attention (q, k and v as three GEMMs, so ln_1 hands out three copies and its kernel sums their
-    input gradients), run here by making CausalSelfAttention.gemms 3: under layer_norm=pallas with the kernel
+    input gradients), run here by making CausalSelfAttention.inputs 3: under layer_norm=pallas with the kernel
     (interpreted) the tiny GPT takes 4 AdamW steps to the plain policy's losses (the same three GEMMs, autodiff's
     sum) within 1e-4 relative, as in the test above; with the CPU's backward, to layer_norm: fused's exactly."""
     from jaxgpt.model import CausalSelfAttention
 
-    monkeypatch.setattr(CausalSelfAttention, "gemms", property(lambda self: 3))
+    monkeypatch.setattr(CausalSelfAttention, "inputs", property(lambda self: 3))
     plain = _train(Policy.bf16(), "xla", monkeypatch)
     assert plain[-1] < plain[0] - 0.05, plain
-    np.testing.assert_allclose(_train(Policy.bf16(layer_norm="pallas"), "interpret", monkeypatch), plain, rtol=1e-4)
-    assert _train(Policy.bf16(layer_norm="pallas"), "xla", monkeypatch) == _train(
-        Policy.bf16(layer_norm="fused"), "xla", monkeypatch)
+    np.testing.assert_allclose(_train(Policy.bf16(kernels={"layer_norm": "pallas"}), "interpret", monkeypatch), plain, rtol=1e-4)
+    assert _train(Policy.bf16(kernels={"layer_norm": "pallas"}), "xla", monkeypatch) == _train(
+        Policy.bf16(kernels={"layer_norm": "fused"}), "xla", monkeypatch)
 
 
 def test_policy_field_and_train_config():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert Policy().layer_norm == "plain" and TrainConfig.load(None, {}).layer_norm == "plain"
-    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "pallas", "precision": "auto"}), "gpu") == Policy.bf16(
-        layer_norm="pallas")
-    with pytest.raises(ConfigError, match="Policy.layer_norm = 'triton'.*'plain', 'fused', 'pallas'"):
-        Policy(layer_norm="triton")
-    with pytest.raises(ConfigError, match="layer_norm"):
-        TrainConfig.load(None, {"layer_norm": "fast"})
+    assert resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("layer_norm") == "xla"
+    cfg = TrainConfig.load(None, {"kernels.layer_norm": "pallas", "precision": "auto"})
+    assert resolve_policy(cfg, "gpu") == Policy.bf16(kernels={"layer_norm": "pallas"})
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'triton': valid choices are xla, fused, pallas"):
+        Policy(kernels={"layer_norm": "triton"})
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'fast': valid choices are xla, fused, pallas"):
+        TrainConfig.load(None, {"kernels.layer_norm": "fast"})
 
 
 def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_micro_step():
@@ -348,8 +348,8 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
         pytest.skip(f"compile-only GPU tests need JAX's CUDA plugin: {PLUGIN_PROBLEM}")
     from jaxgpt.compile import calibrated, hlo
 
-    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("layer_norm=pallas",))
-    assert cs.policy.layer_norm == "pallas"
+    cs, _ = _compiled(TINY_BF16[0], None, 1, TINY_BF16[1] + ("kernels.layer_norm=pallas",))
+    assert cs.policy.kernel("layer_norm") == "pallas"
     ks, _ = hlo.kernels(cs.hlo_text())
     triton = [k for k in ks if k.opcode == "__gpu$xla.gpu.triton"]
     assert len(triton) == 4 * cs.cfg.model.n_layer + 2 and all(k.count == cs.micro_steps for k in triton), [
@@ -371,7 +371,7 @@ def test_tiny_h100_step_runs_the_pallas_kernels_once_per_block_layer_norm_and_mi
     ln_1 = min(k.bytes for k in fwd)
     assert sorted({k.bytes for k in fwd}) == [ln_1, ln_1 + 2 * rows_embed]
     # every ln_2, every ln_1 but the first block's and ln_f add a branch: the MLP's output is left to the next ln_1's
-    # kernel (model.Residual), the last block's to ln_f's, so no XLA residual add is left: the large adds left are
+    # kernel (the Block's (hidden, residual) out), the last block's to ln_f's, so no XLA residual add is left: the large adds left are
     # the sums of a split-K GEMM's partials (XLA splits the tiny MLP c_proj's K of 128 in 4), which read no residual
     m = hlo.Module(cs.hlo_text())
     for k in [k for k in ks if k.op_name.endswith("jvp()/add") and k.bytes >= 3 * rows_embed]:

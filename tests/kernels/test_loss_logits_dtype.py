@@ -1,7 +1,7 @@
 """``logits_dtype: bfloat16`` as a user's opt-in (TrainConfig.logits_dtype -> Policy.logits_dtype): how it is reached
 and refused, and what it does to a small GPT's losses and gradients against the same GPT with fp32 logits (same
 weights, same batch), held to the bounds derived in parity_tests/tolerances.py (bf16 logits). The fused loss itself
-against the plain expression: tests/test_loss_logits.py; 20 AdamW steps against torch autocast's noise:
+against the plain expression: tests/kernels/test_loss_logits.py; 20 AdamW steps against torch autocast's noise:
 parity_tests/test_train_parity.py.
 """
 
@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import fused_loss, ops
+from jaxgpt import ops
+from jaxgpt.kernels import loss as fused_loss
 from jaxgpt.config import ConfigError, GPTConfig
 from jaxgpt.model import GPT
 from jaxgpt.precision import Policy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parity_tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "parity_tests"))
 from tolerances import (LOSS_FP32_REL, bf16_logits_grad_bounds, bf16_logits_loss_bounds,  # noqa: E402
                         cross_entropy_shift)
 
@@ -50,8 +51,9 @@ def test_train_config_reaches_the_policy():
     from jaxgpt.train.config import TrainConfig
 
     assert TrainConfig.load(None, {}).logits_dtype is None and Policy().logits_dtype == "float32"
-    bf16 = TrainConfig.load(None, {"precision": "auto", "logits_dtype": "bfloat16", "gelu": "pallas"})
-    assert resolve_policy(bf16, "gpu") == Policy.bf16(logits_dtype="bfloat16", gelu="pallas")
+    bf16 = TrainConfig.load(None, {"precision": "auto", "logits_dtype": "bfloat16", "kernels": "pallas"})
+    assert resolve_policy(bf16, "gpu") == Policy.bf16(logits_dtype="bfloat16", kernels="pallas")
+    assert resolve_policy(bf16, "gpu").kernel("loss") == "pallas"  # the preset's loss kernel takes bf16 logits
     assert resolve_policy(TrainConfig.load(None, {"precision": "bf16"}), "gpu").logits_dtype == "float32"
     assert Policy.named("fp8", logits_dtype="bfloat16") == Policy.fp8_policy(logits_dtype="bfloat16")
     # bf16-autocast is torch.autocast's numerics, bf16 logits included: null or bfloat16 name it, float32 is refused

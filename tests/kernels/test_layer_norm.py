@@ -1,4 +1,4 @@
-"""jaxgpt.norm's LayerNorm (Policy.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
+"""jaxgpt.kernels.layer_norm's LayerNorm (kernels.layer_norm = "fused") against the plain LayerNorm of jaxgpt.model: values and
 gradients, in fp32, with bf16 inputs and in fp64, and its refusals.
 
 Bounds (derived, not fitted): each result is a sum of products computed in the inputs' precision u (fp32: 2^-24,
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgpt import norm
+from jaxgpt.kernels import layer_norm as norm
 from jaxgpt.config import ConfigError, GPTConfig
 from jaxgpt.model import GPT, LayerNorm
 from jaxgpt.precision import Policy
@@ -37,7 +37,9 @@ def _inputs(rows: int, dim: int, seed: int = 0, *, offset: float = 3.0):
 
 
 def _module(dim: int, impl: str, scale, bias, dtype=jnp.float32) -> LayerNorm:
-    ln = LayerNorm(dim, bias=bias is not None, eps=EPS, param_dtype=dtype, impl=impl)
+    kernels = {"layer_norm": "xla" if impl == "plain" else impl}
+    policy = Policy.fp64() if dtype == jnp.float64 else Policy(kernels=kernels)
+    ln = LayerNorm(dim, bias=bias is not None, eps=EPS, policy=policy)
     ln.scale[...] = jnp.asarray(scale, dtype)
     if bias is not None:
         ln.bias[...] = jnp.asarray(bias, dtype)
@@ -51,7 +53,7 @@ def _value_and_grads(ln: LayerNorm, x, dy):
     @jax.jit
     def f(params, x, dy):
         def loss(params, x):
-            y = nnx.merge(graphdef, params)(x)
+            (y,) = nnx.merge(graphdef, params)(x, keep_residual=False)
             return jnp.sum(y.astype(jnp.float32 if y.dtype != jnp.float64 else y.dtype) * dy), y
 
         (_, y), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
@@ -148,19 +150,21 @@ def test_forward_is_the_plain_expression():
     """Outside differentiation the fused LayerNorm is the same expression: the same numbers bit for bit."""
     x, _, scale, bias = _inputs(16, 64, seed=2)
     xs = jnp.asarray(x, jnp.float32)[None]  # (1, rows, C): the module reshapes to rows
-    ys = [jax.jit(lambda m, v: m(v))(_module(64, impl, scale, bias), xs) for impl in ("plain", "fused")]
+    ys = [jax.jit(lambda m, v: m(v, keep_residual=False)[0])(_module(64, impl, scale, bias), xs)
+          for impl in ("plain", "fused")]
     np.testing.assert_array_equal(np.asarray(ys[0]), np.asarray(ys[1]))
 
 
 def test_model_with_fused_layer_norm():
-    """A tiny GPT under Policy(layer_norm='fused'): the same loss as the plain policy's and gradients within the
+    """A tiny GPT under kernels.layer_norm = "fused": the same loss as the plain policy's and gradients within the
     fp32 bound's scale (every LayerNorm's backward changed, the rest of the model not)."""
     cfg = GPTConfig.preset("tiny")
     idx = jax.random.randint(jax.random.key(0), (2, 16), 0, cfg.vocab_size)
     tgt = jnp.roll(idx, -1, axis=1)
     out = {}
     for impl in ("plain", "fused"):
-        model = GPT(cfg, policy=Policy(layer_norm=impl, matmul_precision="highest"), rngs=nnx.Rngs(params=0))
+        kernels = {"layer_norm": "xla" if impl == "plain" else impl}
+        model = GPT(cfg, policy=Policy(matmul_precision="highest", kernels=kernels), rngs=nnx.Rngs(params=0))
         graphdef, params = nnx.split(model, nnx.Param)
         out[impl] = jax.jit(jax.value_and_grad(lambda p: nnx.merge(graphdef, p).loss(idx, tgt)))(params)
     (lp, gp), (lf, gf) = out["plain"], out["fused"]
@@ -182,15 +186,17 @@ def test_bad_inputs_are_refused():
         norm.layer_norm(x, jnp.ones(8), jnp.ones((8, 1)), eps=EPS)
     with pytest.raises(norm.LayerNormError, match="floating-point"):
         norm.layer_norm(jnp.ones((4, 8), jnp.int32), jnp.ones(8), None, eps=EPS)
-    with pytest.raises(ConfigError, match="Policy.layer_norm = 'welford'.*'plain', 'fused'"):
-        Policy(layer_norm="welford")
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'welford': valid choices are xla, fused, pallas"):
+        Policy(kernels={"layer_norm": "welford"})
 
 
 def test_train_config_selects_it():
     from jaxgpt.compile.program import resolve_policy
     from jaxgpt.train.config import TrainConfig
 
-    assert TrainConfig.load(None, {}).layer_norm == "plain"  # the default program is unchanged
-    assert resolve_policy(TrainConfig.load(None, {"layer_norm": "fused"}), "gpu").layer_norm == "fused"
-    with pytest.raises(ConfigError, match="layer_norm"):
-        TrainConfig.load(None, {"layer_norm": "fast"})
+    assert resolve_policy(TrainConfig.load(None, {}), "gpu").kernel("layer_norm") == "xla"  # the default: unchanged
+    assert resolve_policy(TrainConfig.load(None, {"kernels.layer_norm": "fused"}), "gpu").kernel("layer_norm") == "fused"
+    with pytest.raises(ConfigError, match="kernels.layer_norm = 'fast': valid choices are xla, fused, pallas"):
+        TrainConfig.load(None, {"kernels.layer_norm": "fast"})
+    with pytest.raises(ConfigError, match="layer_norm: replaced by kernels.*--kernels.layer_norm=NAME"):
+        TrainConfig.load(None, {"layer_norm": "fused"})  # the old flag: refused, naming the new one

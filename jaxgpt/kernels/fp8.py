@@ -18,7 +18,7 @@ A tensor whose amax is not finite gets a NaN scale: an overflow upstream shows a
 
 The backward is bf16, straight-through: :func:`matmul`'s custom VJP differentiates the bf16 GEMM of the bf16
 operands (``jaxgpt.ops.matmul``'s backward), as if the forward had not been quantized. The lm_head's fused loss
-(``jaxgpt.fused_loss.lm_head_cross_entropy(..., fp8=True)``) does the same: e4m3 logits GEMM, bf16 backward GEMMs.
+(``jaxgpt.kernels.loss.lm_head_cross_entropy(..., fp8=True)``) does the same: e4m3 logits GEMM, bf16 backward GEMMs.
 
 On GPUs this is one cuBLASLt fp8 GEMM per layer (``__cublas$lt$matmul$f8``): XLA:GPU's GEMM rewriter takes a dot
 of e4m3 operands and folds the multiply by the scales into the call's scale operand. Two things make it so:

@@ -5,13 +5,13 @@ bias and rounds to bf16 (:func:`gemm_bias_cast`), and one that sums the products
 A kernel here computes one (bm, bn) output tile of ``a @ b`` with bf16 operands, accumulating in fp32 over K in
 steps of bk (:func:`accumulate`), then does its epilogue on the fp32 accumulator before anything is written: the
 value XLA's GEMM would write (a sum in another order), followed by what XLA would do in a separate pass.
-:mod:`jaxgpt.gelu_gemm` puts GELU there, :mod:`jaxgpt.qkv` the bias add and bf16 rounding attention applies to q, k
-and v, :mod:`jaxgpt.fused_loss` the loss's row max and sum of exp. :mod:`jaxgpt.compile.hlo` reads a Pallas kernel
-named ``gemm_nn_*`` or ``gemm_nt_*`` as a GEMM (its first operand the (M, K) lhs, its second the rhs, (K, N) or
-(N, K), its first result (M, N)) plus the epilogue's extra bytes, one named ``gemm_ntsum_*`` as the GEMM of its
-lhs blocks (every operand but the last) by its last, (N, sum K), and one named ``gemm2_<l1><l2>_*`` as two GEMMs
-onto the same (M, N) tile (operands lhs_1, rhs_1, lhs_2, rhs_2 first: :mod:`jaxgpt.gelu_gemm`'s recomputing
-backward): every kernel here is named so.
+:mod:`jaxgpt.kernels.mlp` puts GELU there, :mod:`jaxgpt.kernels.qkv` the bias add and bf16 rounding attention
+applies to q, k and v, :mod:`jaxgpt.kernels.loss` the loss's row max and sum of exp. :mod:`jaxgpt.compile.hlo`
+reads a Pallas kernel named ``gemm_nn_*`` or ``gemm_nt_*`` as a GEMM (its first operand the (M, K) lhs, its second
+the rhs, (K, N) or (N, K), its first result (M, N)) plus the epilogue's extra bytes, one named ``gemm_ntsum_*`` as
+the GEMM of its lhs blocks (every operand but the last) by its last, (N, sum K), and one named ``gemm2_<l1><l2>_*``
+as two GEMMs onto the same (M, N) tile (operands lhs_1, rhs_1, lhs_2, rhs_2 first: :mod:`jaxgpt.kernels.mlp`'s
+recomputing backward): every kernel here is named so.
 
 The block sizes are Triton's usual Hopper choice for a bf16 GEMM (128 x 128 tiles, K in steps of 64); they were
 not tuned on a GPU (none was lent when this was written). Shapes that are not multiples of the blocks are
@@ -33,7 +33,7 @@ from jaxgpt import ops
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 64  # one program's output tile and its K step
 NUM_WARPS, NUM_STAGES = 8, 3
 Impl = Literal["auto", "kernel", "interpret", "xla"]
-QKV_FIX = "the kernels take bf16 operands and widths that are multiples of 16: use qkv: plain for other models"
+QKV_FIX = "the kernels take bf16 operands and widths that are multiples of 16: use kernels.qkv: xla for other models"
 
 
 class GemmKernelError(ValueError):
