@@ -123,6 +123,7 @@ def select(cfg, *, mesh, steps_to_train: int, micro_steps: int = 1, say: Callabl
     program, so only a committed choice (the same file everywhere) is used: no user cache, no search."""
     from jaxgpt.precision import Policy
     from jaxgpt.tune.measure import Bench
+    from jaxgpt.tune import tiles
     from jaxgpt.tune.search import format_table, search
 
     platform = mesh.devices.flat[0].platform
@@ -151,8 +152,10 @@ def select(cfg, *, mesh, steps_to_train: int, micro_steps: int = 1, say: Callabl
             f"{record.get('chosen_ms', float('nan')):.2f} ms per step against the default program's "
             f"{record.get('default_ms', float('nan')):.2f})")
         table = format_table(record.get("candidates", []), record.get("name"))
+        tiles.install(record.get("tiles"))  # the GEMM tiles chosen with the program (GPUs)
         return Choice(kernels, source, f"{source} choice file", path, record, table)
     if budget_s is None:
+        tiles.install(None)
         say(f"auto: no committed or cached choice; {rule}: running the default program (the xla preset)")
         return Choice(default, "default", rule)
     say(f"auto: no committed or cached choice: measuring candidate programs ({rule})")
@@ -160,6 +163,8 @@ def select(cfg, *, mesh, steps_to_train: int, micro_steps: int = 1, say: Callabl
     for note in result.notes:
         say(f"auto: {note}")
     record = result.record()
+    if tiles.install(result.tiles):
+        say(f"auto: tiles chosen for {sum(len(v) for v in result.tiles.values())} GEMM shape(s)")
     path = cache.store(key, record)
     if store_in is not None:
         cache.store(key, record, store_in)

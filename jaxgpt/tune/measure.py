@@ -33,6 +33,7 @@ class Measurement:
     same_as: str | None = None
     program: str | None = None  # a hash of the lowered program's text
     spent_s: float = 0.0  # wall time this candidate cost the search (lowering, compiling, running)
+    shapes: dict[str, list[tuple[int, ...]]] = dataclasses.field(default_factory=dict)  # tunable ops' shapes traced
 
     @property
     def ok(self) -> bool:
@@ -118,6 +119,7 @@ class Bench:
         import jax
 
         from jaxgpt import step as step_lib
+        from jaxgpt.tune import tiles
 
         m = Measurement(name, kernels)
         start = time.perf_counter()
@@ -129,7 +131,9 @@ class Bench:
             step = step_lib.make_train_step(self._graphdef(policy), self.optimizer, micro_steps=1,
                                             dropout=self.model_cfg.dropout > 0, mesh=self.mesh,
                                             fsdp_reduce=self.cfg.fsdp_reduce, grad_norm=self.grad_norm)
+            tiles.clear_seen()
             lowered = step.jitted.lower(self.state0, self.x, self.y, self.key)
+            m.shapes = {name: tiles.seen(name) for name in tiles.OPS if tiles.seen(name)}
             m.program = hashlib.sha256(lowered.as_text().encode()).hexdigest()
             if m.program in self.programs:
                 m.same_as = self.programs[m.program]

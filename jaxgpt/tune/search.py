@@ -44,9 +44,11 @@ def alternatives(op: str, policy, platform: str) -> list[str]:
             if registry.REGISTRY[op][n].numerics != "changes"]
 
 
-def describe(kernels: Kernels) -> str:
-    """A candidate's name: its preset, then its per-op choices (``pallas+attention=xla``)."""
-    extra = [f"{op}={name}" for op, name in kernels.overrides().items() if name is not None]
+def describe(kernels: Kernels, fixed: dict[str, str] | None = None) -> str:
+    """A candidate's name: its preset, then its per-op choices (``pallas+attention=xla``) but those the config
+    pins (``fixed``: the same in every candidate)."""
+    fixed = fixed or {}
+    extra = [f"{op}={name}" for op, name in kernels.overrides().items() if name is not None and op not in fixed]
     return "+".join([kernels.preset, *extra])
 
 
@@ -60,6 +62,7 @@ class Result:
     budget_s: float
     spent_s: float
     notes: list[str]
+    tiles: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # jaxgpt.tune.tiles.tune's
 
     def table(self) -> str:
         return format_table([m.to_dict() for m in self.measured], self.chosen.name)
@@ -70,7 +73,7 @@ class Result:
         return {"choice": {"preset": k.preset, **{op: v for op, v in k.overrides().items() if v is not None}},
                 "name": self.chosen.name, "impls": self.chosen.impls, "default_ms": self.default.median_ms,
                 "chosen_ms": self.chosen.median_ms, "budget_s": self.budget_s, "spent_s": self.spent_s,
-                "notes": self.notes, "candidates": [m.to_dict() for m in self.measured],
+                "notes": self.notes, "tiles": self.tiles, "candidates": [m.to_dict() for m in self.measured],
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
@@ -116,8 +119,8 @@ def search(bench: Bench, *, platform: str, budget_s: float | Callable[[Measureme
     bound = loss_bound(base_policy)
 
     def run(kernels: Kernels) -> Measurement:
-        bar.set_postfix_str(describe(kernels), refresh=True)
-        m = bench.measure(describe(kernels), kernels)
+        bar.set_postfix_str(describe(kernels, fixed), refresh=True)
+        m = bench.measure(describe(kernels, fixed), kernels)
         bar.update(1)
         if m.ok and measured and measured[0].ok:
             ref = measured[0].loss
@@ -159,16 +162,21 @@ def search(bench: Bench, *, platform: str, budget_s: float | Callable[[Measureme
                 if name == policy.kernel(op):
                     continue
                 kernels = dataclasses.replace(best.kernels, **{op: name})
-                if describe(kernels) in tried:
+                if describe(kernels, fixed) in tried:
                     continue
                 if not affordable():
                     stopped = True
                     break
-                tried.add(describe(kernels))
+                tried.add(describe(kernels, fixed))
                 m = run(kernels)
                 if m.ok and faster(m, best):
                     best = m
     finally:
         bar.close()
+    from jaxgpt.tune import tiles
+
+    tuned = {name: tiles.tune(name, shapes, say=say, deadline=t_start + budget)  # the chosen program's GEMM tiles
+             for name, shapes in best.shapes.items() if platform in tiles.OPS[name].platforms}
     spent = time.perf_counter() - t_start
-    return Result(measured=measured, chosen=best, default=default, budget_s=budget, spent_s=spent, notes=notes)
+    return Result(measured=measured, chosen=best, default=default, budget_s=budget, spent_s=spent, notes=notes,
+                  tiles={k: v for k, v in tuned.items() if v})
