@@ -166,9 +166,10 @@ def select(cfg, *, mesh, steps_to_train: int, micro_steps: int = 1, say: Callabl
     if tiles.install(result.tiles):
         say(f"auto: tiles chosen for {sum(len(v) for v in result.tiles.values())} GEMM shape(s)")
     path = cache.store(key, record)
-    if store_in is not None:
-        cache.store(key, record, store_in)
     table = result.table()
+    if store_in is not None:  # the committed file and its table beside it (a GPU session's)
+        stored = cache.store(key, record, store_in)
+        stored.with_suffix(".txt").write_text(table + "\n")
     say(table)
     say(f"auto: chose {result.chosen.name} ({result.chosen.median_ms:.2f} ms per step; the default program "
         f"{result.default.median_ms:.2f}); cached in {path}")
