@@ -89,11 +89,9 @@ class Bench:
         self.model_cfg = model.config
         _, self.state0 = step_lib.init_train_state(model, self.optimizer, mesh=self.mesh)
         del model
-        rows = cfg.batch_size * jax.process_count()  # this process's rows: cfg.batch_size
         rng = np.random.default_rng(cfg.seed)
         x = rng.integers(0, self.model_cfg.vocab_size, (1, cfg.batch_size, cfg.seq_len), dtype=np.int32)
         y = rng.integers(0, self.model_cfg.vocab_size, (1, cfg.batch_size, cfg.seq_len), dtype=np.int32)
-        self.rows = rows
         self.x, self.y = step_lib.place_batch(x, y, self.mesh)
         self.key = step_lib._put_key(jax.random.key(cfg.seed), step_lib.replicated(self.mesh))
         self.programs: dict[str, str] = {}  # program hash -> the first candidate that lowered to it

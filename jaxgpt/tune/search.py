@@ -91,7 +91,8 @@ def format_table(candidates: list[dict[str, Any]], chosen: str | None) -> str:
         else:
             rows.append((c["name"], comp, f"{c['median_ms']:.2f} ({c['iqr_ms']:.2f})", loss,
                          "<-" if c["name"] == chosen else ""))
-    widths = [max(len(r[i]) for r in rows if i != 2 or not r[2].startswith(("dropped", "the program"))) for i in range(5)]
+    long = ("dropped", "the program")  # a drop's reason is not a column's width
+    widths = [max(len(r[i]) for r in rows if i != 2 or not r[2].startswith(long)) for i in range(5)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
