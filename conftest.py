@@ -12,5 +12,11 @@ import os
 
 from jaxgpt.gpu_env import cuda_driver_present
 
+# kernels: auto (jaxgpt.tune) reads and writes its choices here: never the user's cache in a test
+if not os.environ.get("JAXGPT_CACHE"):
+    import tempfile
+
+    os.environ["JAXGPT_CACHE"] = tempfile.mkdtemp(prefix="jaxgpt-test-cache-")
+
 if not cuda_driver_present():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -51,17 +51,26 @@ def _next_pow2(n: int) -> int:
 
 
 def blocks(m: int, n: int, k: int, block: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-    """(bm, bn, bk): ``block`` or the defaults, each at most the next power of two of its extent (at least 16: a
-    Triton dot's smallest tile)."""
-    bm, bn, bk = block or (BLOCK_M, BLOCK_N, BLOCK_K)
+    """(bm, bn, bk): ``block``, else the tile ``kernels: auto`` chose for this shape (jaxgpt.tune.tiles), else the
+    defaults, each at most the next power of two of its extent (at least 16: a Triton dot's smallest tile)."""
+    from jaxgpt.tune import tiles  # (here: jaxgpt.tune imports the kernel layer)
+
+    tiles.note("gemm", (m, n, k))
+    tile = tiles.chosen("gemm", (m, n, k))
+    bm, bn, bk = block or (tile.block if tile is not None else (BLOCK_M, BLOCK_N, BLOCK_K))
     return tuple(min(b, max(16, _next_pow2(e))) for b, e in ((bm, m), (bn, n), (bk, k)))
 
 
-def compiler_params(interpret: bool) -> dict:
-    """``pallas_call``'s Triton compiler parameters (none in the interpreter)."""
+def compiler_params(interpret: bool, shape: tuple[int, int, int] | None = None) -> dict:
+    """``pallas_call``'s Triton compiler parameters (none in the interpreter): the warps and stages ``kernels: auto``
+    chose for ``shape`` = (m, n, k) (jaxgpt.tune.tiles), else the defaults."""
     from jax.experimental.pallas import triton as plgpu
 
-    return {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)}
+    from jaxgpt.tune import tiles
+
+    tile = tiles.chosen("gemm", shape)
+    warps, stages = (tile.warps, tile.stages) if tile is not None else (NUM_WARPS, NUM_STAGES)
+    return {} if interpret else {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
 def check(name: str, arrays: dict[str, tuple[jax.Array, object, str]], fix: str) -> None:
@@ -158,7 +167,7 @@ def gemm_bias_cast(x: Float[Array, "rows d_in"], w: Float[Array, "d_in d_out"], 
                   pl.BlockSpec((1, bn), lambda j, i: (0, j + offset))],
         out_specs=pl.BlockSpec((bm, bn), lambda j, i: (i, j)),
         interpret=interpret, name="gemm_nn_colblock_bias_cast" if count > 1 else "gemm_nn_bias_cast",
-        **compiler_params(interpret))(xp, wp, bp)
+        **compiler_params(interpret, (m, n, k)))(xp, wp, bp)
     return y[:m, :n] if (mp, np_) != (m, n) else y
 
 

@@ -95,6 +95,9 @@ PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+AUTO = "auto"  # not a preset: jaxgpt.train measures the candidates at a run's start and runs one (jaxgpt.tune)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """Which implementation each op of the kernel layer runs (:mod:`jaxgpt.kernels.registry`): a ``preset`` ("xla":
@@ -151,9 +154,9 @@ def where(op: str) -> str:
 
 def check_names(kernels: Kernels) -> None:
     """Refuses an unknown preset or implementation name (what needs no policy to check)."""
-    if kernels.preset not in PRESETS:
-        raise ConfigError(f"kernels = {kernels.preset!r}: the presets are {', '.join(PRESETS)} (or set one op: "
-                          "--kernels.mlp=pallas-gemm)")
+    if kernels.preset not in PRESETS and kernels.preset != AUTO:
+        raise ConfigError(f"kernels = {kernels.preset!r}: the presets are {', '.join(PRESETS)}, or {AUTO} (measured: "
+                          "docs/auto.md); or set one op: --kernels.mlp=pallas-gemm")
     for op, name in kernels.overrides().items():
         if name is not None:
             describe(op, name)
@@ -163,6 +166,9 @@ def resolve(preset: str, overrides: dict[str, str | None], policy) -> dict[str, 
     """The implementation of every op under ``preset`` with ``overrides`` (op -> name, None: the preset's) for
     ``policy``'s numerics; refuses an unknown preset, op or name, and an override the numerics rule out."""
     check_names(Kernels(preset, **overrides))
+    if preset == AUTO:
+        raise ConfigError("kernels: auto is chosen by measuring at a run's start (jaxgpt.tune, docs/auto.md); a "
+                          f"policy takes a preset: {', '.join(PRESETS)}")
     out = {}
     for op in OPS:
         name = overrides.get(op)

@@ -113,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             from jaxgpt.precision import Policy
 
             policy = Policy.named("bf16" if cfg.precision == "auto" else cfg.precision, **cfg.policy_options())
-            print("# kernels (GPUs; precision auto as bf16): " + ", ".join(f"{op}={name}" for op, name in
-                                                                       policy.implementations.items()))
+            auto = cfg.kernels.preset == "auto"  # measured at the run's start (jaxgpt.tune, docs/auto.md)
+            print("# kernels (GPUs; precision auto as bf16" + ("; auto: measured at the run's start, this is the "
+                                                               "default program it starts from" if auto else "")
+                  + "): " + ", ".join(f"{op}={name}" for op, name in policy.implementations.items()))
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_CONFIG

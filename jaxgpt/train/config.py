@@ -41,8 +41,13 @@ class TrainConfig:
     fp8_gemms: Literal["lm_head", "mlp", "mlp+lm_head", "all"] | None = None
     # which implementation each op of the kernel layer runs (jaxgpt.kernels.registry, docs/kernels.md): a preset,
     # --kernels=xla (the reference paths) or --kernels=pallas (the Pallas kernels where they run: GPUs; the same
-    # numerics), and per-op choices over it, e.g. --kernels.mlp=pallas-recompute (9.0 GiB less at gpt2 b64)
-    kernels: Kernels = Kernels()
+    # numerics), and per-op choices over it, e.g. --kernels.mlp=pallas-recompute (9.0 GiB less at gpt2 b64);
+    # auto (the default): the program measured fastest on this device for this run's shape (jaxgpt.tune,
+    # docs/auto.md): a committed or cached choice, else a bounded search (kernels_search_s), else the xla preset
+    kernels: Kernels = Kernels(preset="auto")
+    # kernels: auto's search at a run's start: null: on GPUs/TPUs for runs of >= 500 steps, within min(300 s, 10% of
+    # the run's expected time), never on CPUs (cached/committed choices only); 0: never; N: always, within N seconds
+    kernels_search_s: float | None = None
     # Policy.gelu_h_dtype: bfloat16 keeps the MLP's h in bf16 for GELU's backward (as torch autocast's; 403 MB less
     # per layer at gpt2 b64; precision bf16 only)
     gelu_h_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -132,6 +137,8 @@ class TrainConfig:
               "precision: bf16-autocast is torch.autocast's numerics, whose lm_head writes bf16 logits; drop "
               "logits_dtype (null) or use precision: bf16 for fp32 logits")
         registry.check_names(self.kernels)
+        check("kernels_search_s", self.kernels_search_s is None or self.kernels_search_s >= 0,
+              "must be null (the default rule), 0 (never search) or seconds > 0")
         check("max_rollbacks", self.max_rollbacks >= 0, "must be an integer >= 0")
         check("resume_step", self.resume_step is None or self.resume_step >= 0, "must be null or a step >= 0")
         check("skip_batches", self.skip_batches >= 0, "must be an integer >= 0")
@@ -202,8 +209,13 @@ class TrainConfig:
         return to_dict(self)
 
     def policy_options(self) -> dict[str, Any]:
-        """What Policy.named takes from this config besides the precision."""
-        return dict(fp8_gemms=self.fp8_gemms, logits_dtype=self.logits_dtype, kernels=self.kernels,
+        """What Policy.named takes from this config besides the precision. ``kernels: auto`` gives the default program
+        (the xla preset, with the config's per-op choices) here: what a run measures instead is jaxgpt.tune's (the
+        run replaces it with its choice)."""
+        kernels = self.kernels
+        if kernels.preset == registry.AUTO:
+            kernels = dataclasses.replace(kernels, preset="xla")
+        return dict(fp8_gemms=self.fp8_gemms, logits_dtype=self.logits_dtype, kernels=kernels,
                     gelu_h_dtype=self.gelu_h_dtype)
 
     # ---- derived ----------------------------------------------------------------------------------------

@@ -245,6 +245,14 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
 
         cfg = self.cfg
         self.policy = Policy.named(cfg.precision, **cfg.policy_options())
+        self.kernel_choice = None
+        if cfg.kernels.preset == "auto":  # measured on this device, or a committed / cached choice (jaxgpt.tune)
+            from jaxgpt.tune.auto import select
+
+            self.kernel_choice = choice = select(
+                cfg, mesh=self.mesh, steps_to_train=cfg.max_steps, micro_steps=self.micro_steps, say=self.say,
+                progress=cfg.progress and self.is_main, processes=self.pcount)
+            self.policy = Policy.named(cfg.precision, **{**cfg.policy_options(), "kernels": choice.kernels})
         model = build_model(cfg, self.policy)
         self.model_cfg = model.config
         optimizer = make_optimizer(cfg.optim)
@@ -321,6 +329,11 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.say(f"  {mesh_lib.summary(self.mesh, self.state.params, self.state.opt_state)}")
         self.say(f"  run dir {self.run_dir}" + (f"; resumed from step {self.start_step}"
                                                  if self.resumed_from is not None else ""))
+        if self.kernel_choice is not None:  # kernels-auto.json / .txt, a `kernels` record in metrics.jsonl
+            from jaxgpt.tune.auto import record_in_run
+
+            record_in_run(self.kernel_choice, self.policy, self.run_dir, self.metrics if self.is_main else None,
+                          say=self.say, step=self.start_step)
         if cfg.wandb.enabled and self.is_main and self.metrics is not None:
             from jaxgpt.train.wandb_log import WandbTracker
 
