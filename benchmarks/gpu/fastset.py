@@ -16,6 +16,12 @@ SETTINGS: dict[str, str] = {"kernels": "pallas", "gelu_h_dtype": "bfloat16", "lo
                             "optim.grad_norm": "grouped"}
 
 
+# the stem of its compiled H100 predictions in benchmarks/results (predicted-h100-kernels-pallas-{b64,b16,gpt2-124m}:
+# python -m jaxgpt.compile --config configs/gpt2-124m.yaml --target h100-sxm --no-search --set FIELD=VALUE for each of
+# SETTINGS, with total_batch_tokens=65536 for b64, total_batch_tokens=16384 batch_size=16 for b16, nothing for the recipe)
+PREDICTED = "kernels-pallas"
+
+
 def policy_fields() -> dict[str, str]:
     """The Policy fields of the set (what the bench variant sets beyond precision bf16)."""
     return {k: v for k, v in SETTINGS.items() if "." not in k}
