@@ -236,7 +236,7 @@ def test_training_on_such_shards_is_a_clear_error(tmp_path, capsys, monkeypatch,
         monkeypatch.setattr(shards, "SCAN_MAX_TOKENS", 0)
     out = handmade_shards(tmp_path, bad_at=40, bad_split=split)
     code = main(["--config", str(REPO / "configs/tiny-test.yaml"), f"--data_dir={out}", "--loader_mode=sequential",
-                 f"--out_dir={tmp_path / 'run'}", "--max_steps=50", "--eval_interval=0", "--plot=false"])
+                 f"--out_dir={tmp_path / 'run'}", "--max_steps=2", "--eval_interval=0", "--plot=false"])
     captured = capsys.readouterr()
     assert code == 2, captured.err
     assert f"foreign_{split}_000000.bin: token id 60,000 at token offset 40 is outside" in captured.err

@@ -95,6 +95,8 @@ def test_fp8_run_trains_checkpoints_and_samples(reference):
     assert "--- sample 0 (step 10) ---" in (out / "samples.txt").read_text()
 
 
+@pytest.mark.slow  # fp8 keeps no state of its own (current scaling: each amax from the step's tensors), so a resume
+# restores what a bf16 run's does: tests/test_train.py::test_sigkill_then_resume_repeats_the_losses_bit_for_bit
 def test_sigkill_then_resume_repeats_the_fp8_losses_bit_for_bit(tmp_path, reference, env):
     ref, _ = reference
     out = tmp_path / "killed"
@@ -108,7 +110,7 @@ def test_sigkill_then_resume_repeats_the_fp8_losses_bit_for_bit(tmp_path, refere
     assert losses(out) == losses(ref)  # every train and val loss, bit-identical
 
 
-@pytest.mark.slow  # two more runs (the default suite has the SIGKILL resume above)
+@pytest.mark.slow  # two more runs (the default suite has tests/test_preempt.py's SIGTERM resume)
 def test_sigterm_saves_the_step_in_hand_and_resumes_the_fp8_run_bit_for_bit(tmp_path, reference, env):
     ref, _ = reference
     out = tmp_path / "run"

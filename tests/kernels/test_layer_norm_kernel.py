@@ -285,6 +285,9 @@ def _train(policy: Policy, backward: str, monkeypatch, steps: int = 4) -> list[f
     return tiny_adamw_losses(policy, steps)
 
 
+@pytest.mark.slow  # the same checks on the GPU's three-projection attention (its real use) in
+# test_tiny_gpt_with_the_gpus_three_projections_trains_to_the_plain_policys_losses, the branch against autodiff in
+# test_branch_custom_vjp_against_autodiff, and pallas == fused on the CPU under bf16 in the "bf16 + mlp" case below
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
     """A tiny GPT (2 layers, n_embd 32) under kernels.layer_norm = "pallas", bf16 compute, with the GPU's backward (the
     kernel, interpreted: LayerNorm gradients within fp32 rounding of the plain ones) takes 4 AdamW steps to the plain

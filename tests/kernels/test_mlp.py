@@ -185,6 +185,9 @@ def test_mlp_vjp_against_autodiff_of_the_plain_mlp(dtype, with_bias):
         _check("kernel d(bias)", db_k, db_p, 2 * _gamma(rows) * np.abs(dh).sum(0) + ulp.sum(0) + 1e-30)
 
 
+@pytest.mark.slow  # the op is held to the plain MLP by test_mlp_vjp_against_autodiff_of_the_plain_mlp (XLA's path and
+# the kernels), and a tiny GPT trains through the same kernels (interpreted) to XLA's path's losses in
+# test_bf16h_policy_and_its_h100_step_reads_and_writes_half_of_h
 def test_tiny_gpt_trains_to_the_plain_policys_losses(monkeypatch):
     """A tiny GPT (2 layers, n_embd 32) under Policy(kernels={"mlp": 'pallas-gemm'}), bf16: with the CPU's own path (XLA) its 3
     AdamW losses are the plain policy's bit for bit; with the GPU's kernels (interpreted) within 1e-4 relative."""
@@ -326,7 +329,12 @@ def test_recompute_policy_and_its_h100_step_reads_two_gemms():
 
 
 # ---- gelu_h_dtype: bfloat16: h kept in bf16 for the backward (torch autocast's saved GELU input) ----------------
-@pytest.mark.parametrize("m, k, n, block", [(100, 48, 200, SMALL), (256, 128, 256, None)], ids=["padded", "tiles"])
+@pytest.mark.parametrize("m, k, n, block", [
+    (100, 48, 200, SMALL),
+    # h's rounding does not depend on the tiles: "padded" runs it over several tiles and K steps, and the default
+    # tiles are held to the truth in test_forward_kernel_against_the_truth_and_xla and
+    # test_backward_kernel_against_the_truth_and_xla
+    pytest.param(256, 128, 256, None, marks=pytest.mark.slow)], ids=["padded", "tiles"])
 def test_bf16h_kernels_are_the_kernels_with_h_rounded(m, k, n, block):
     """fc_gemm_gelu(h_dtype=bfloat16) writes the fp32 kernel's h rounded to bf16 and the same gelu(h) (computed from
     the fp32 h), bit for bit; proj_gemm_gelu_backward handed that bf16 h computes exactly what it computes from the
