@@ -43,7 +43,8 @@ def test_the_global_batch_is_refused_and_per_device_batch_allowed():
 
 @pytest.mark.parametrize("field,value", [
     ("optim.lr", 1e-3), ("optim.warmup_steps", 10), ("optim.min_lr_ratio", 0.5), ("optim.weight_decay", 0.0),
-    ("optim.grad_clip", 0.5), ("precision", "fp32"), ("attention", "xla"), ("dropout", 0.0),
+    ("optim.grad_clip", 0.5), ("precision", "fp32"), ("kernels.attention", "xla"), ("kernels.preset", "pallas"),
+    ("dropout", 0.0),
     ("model.dropout", 0.2), ("max_steps", 900), ("eval_interval", 50), ("sample_interval", -1),
     ("keep_checkpoints", 5), ("spike_loss_factor", 2.0), ("data_dir", "elsewhere")])
 def test_allowed_fields_are_returned_old_and_new(field, value):

@@ -15,8 +15,9 @@ from jaxgpt.kernels import attention as attention_mod
 from jaxgpt.kernels import registry
 from jaxgpt.kernels.registry import Implementation, Kernels
 from jaxgpt.train.config import TrainConfig
-from jaxgpt.tune import auto, cache, cli, search, tiles
-from jaxgpt.tune.measure import Measurement
+from jaxgpt.kernels import tiles
+from jaxgpt.train.tune import auto, cache, cli, search
+from jaxgpt.train.tune.measure import Measurement
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny-test.yaml"
 # the tiny config, smaller still (a 1-layer model, a 256-token vocabulary), every op but attention pinned
@@ -92,7 +93,7 @@ def test_search_measures_drops_refuses_chooses_caches_and_reuses(cache_dir, test
     def no_bench(*a, **k):
         raise AssertionError("a cached choice must not measure")
 
-    monkeypatch.setattr("jaxgpt.tune.measure.Bench", no_bench)
+    monkeypatch.setattr("jaxgpt.train.tune.measure.Bench", no_bench)
     assert cli.main([f"--config={TINY}", *(f"--{k}={v}" for k, v in SMALL.items() if v is not None),
                      "--total_batch_tokens=null", "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -51,9 +51,9 @@ def _next_pow2(n: int) -> int:
 
 
 def blocks(m: int, n: int, k: int, block: tuple[int, int, int] | None = None) -> tuple[int, int, int]:
-    """(bm, bn, bk): ``block``, else the tile ``kernels: auto`` chose for this shape (jaxgpt.tune.tiles), else the
+    """(bm, bn, bk): ``block``, else the tile ``kernels: auto`` chose for this shape (jaxgpt.kernels.tiles), else the
     defaults, each at most the next power of two of its extent (at least 16: a Triton dot's smallest tile)."""
-    from jaxgpt.tune import tiles  # (here: jaxgpt.tune imports the kernel layer)
+    from jaxgpt.kernels import tiles  # (the kernel layer's own tile table)
 
     tiles.note("gemm", (m, n, k))
     tile = tiles.chosen("gemm", (m, n, k))
@@ -63,10 +63,10 @@ def blocks(m: int, n: int, k: int, block: tuple[int, int, int] | None = None) ->
 
 def compiler_params(interpret: bool, shape: tuple[int, int, int] | None = None) -> dict:
     """``pallas_call``'s Triton compiler parameters (none in the interpreter): the warps and stages ``kernels: auto``
-    chose for ``shape`` = (m, n, k) (jaxgpt.tune.tiles), else the defaults."""
+    chose for ``shape`` = (m, n, k) (jaxgpt.kernels.tiles), else the defaults."""
     from jax.experimental.pallas import triton as plgpu
 
-    from jaxgpt.tune import tiles
+    from jaxgpt.kernels import tiles
 
     tile = tiles.chosen("gemm", shape)
     warps, stages = (tile.warps, tile.stages) if tile is not None else (NUM_WARPS, NUM_STAGES)

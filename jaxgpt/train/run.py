@@ -247,7 +247,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.policy = Policy.named(cfg.precision, **cfg.policy_options())
         self.kernel_choice = None
         if cfg.kernels.preset == "auto":  # measured on this device, or a committed / cached choice (jaxgpt.tune)
-            from jaxgpt.tune.auto import select
+            from jaxgpt.train.tune.auto import select
 
             self.kernel_choice = choice = select(
                 cfg, mesh=self.mesh, steps_to_train=cfg.max_steps, micro_steps=self.micro_steps, say=self.say,
@@ -330,7 +330,7 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         self.say(f"  run dir {self.run_dir}" + (f"; resumed from step {self.start_step}"
                                                  if self.resumed_from is not None else ""))
         if self.kernel_choice is not None:  # kernels-auto.json / .txt, a `kernels` record in metrics.jsonl
-            from jaxgpt.tune.auto import record_in_run
+            from jaxgpt.train.tune.auto import record_in_run
 
             record_in_run(self.kernel_choice, self.policy, self.run_dir, self.metrics if self.is_main else None,
                           say=self.say, step=self.start_step)

@@ -1,10 +1,4 @@
-"""``kernels: auto``: the fastest program measured on the user's own device, chosen among the kernel layer's
-implementations (:mod:`jaxgpt.kernels.registry`) for a run's model, precision and micro-batch, cached per device
-and shape, never slower than the default program by more than the noise it measured (docs/auto.md).
+"""``python -m jaxgpt.tune --config FILE``: ``kernels: auto``'s search alone, with its table (docs/auto.md).
 
-* :mod:`jaxgpt.tune.auto` -- a run's choice: committed file, cached file, bounded search, or the default program;
-* :mod:`jaxgpt.tune.search` -- the candidates, their order, the budget and the rule that picks one;
-* :mod:`jaxgpt.tune.measure` -- one candidate: its step lowered, compiled, checked and timed;
-* :mod:`jaxgpt.tune.cache` -- where choices live (jaxgpt/kernels/tuned/, then the user's cache directory);
-* :mod:`jaxgpt.tune.tiles` -- a Pallas GEMM's tiles per shape, chosen by op-level timing;
-* ``python -m jaxgpt.tune --config FILE`` -- the search alone (:mod:`jaxgpt.tune.cli`)."""
+The search itself is part of training (:mod:`jaxgpt.train.tune`: a run selects its kernels at its start) and the
+tiles part of the kernel layer (:mod:`jaxgpt.kernels.tiles`); this package is only the command's name."""

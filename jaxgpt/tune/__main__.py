@@ -1,5 +1,5 @@
 import sys
 
-from jaxgpt.tune.cli import main
+from jaxgpt.train.tune.cli import main
 
 sys.exit(main())

@@ -4,7 +4,7 @@ A tunable op (:class:`TunableOp`) names its configurations and builds, for one c
 jitted function and its inputs. :func:`tune` times every configuration at every shape (compiled first, then
 ``warmup`` runs and the median of ``repeats``, synchronised), drops one that fails with a line naming it and why,
 and keeps the fastest; the op's default (its first configuration) stays unless another beats it by more than the
-noise both measured. The choice is cached with the program's (:mod:`jaxgpt.tune.cache`, ``tiles``) and installed
+noise both measured. The choice is cached with the program's (:mod:`jaxgpt.train.tune.cache`, ``tiles``) and installed
 for the run (:func:`install`); :func:`chosen` is what a kernel asks at trace time.
 
 The Pallas GEMM core (``gemm``: :func:`jaxgpt.kernels.gemm.gemm_bias_cast`, on GPUs) is registered here; its shapes
@@ -21,7 +21,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jaxgpt.tune.measure import one_line
+
+def one_line(e: BaseException, limit: int = 240) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    line = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from jaxgpt.kernels.registry import OPS, Kernels
+from jaxgpt.kernels.tiles import one_line
 
 
 @dataclasses.dataclass
@@ -57,14 +58,6 @@ class Measurement:
                 "impls": self.impls, "compile_s": self.compile_s, "times_ms": self.times_ms,
                 "median_ms": self.median_ms if self.times_ms else None, "iqr_ms": self.iqr_ms, "loss": self.loss,
                 "error": self.error, "same_as": self.same_as}
-
-
-def one_line(e: BaseException, limit: int = 240) -> str:
-    """An exception as one short line: its type and the first line of its message."""
-    text = str(e).strip().splitlines()
-    first = text[0] if text else ""
-    line = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 class Bench:
@@ -117,7 +110,7 @@ class Bench:
         import jax
 
         from jaxgpt import step as step_lib
-        from jaxgpt.tune import tiles
+        from jaxgpt.kernels import tiles
 
         m = Measurement(name, kernels)
         start = time.perf_counter()

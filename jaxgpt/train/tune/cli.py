@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from jaxgpt import mesh as mesh_lib
-    from jaxgpt.tune.auto import select
+    from jaxgpt.train.tune.auto import select
 
     try:
         mesh = mesh_lib.make_mesh(cfg.mesh)

@@ -1,5 +1,5 @@
 """``kernels: auto`` for a run: the committed choice for its key, else the cached one ("auto: cached choice ..."),
-else a bounded search where the run is long enough to pay for it (:mod:`jaxgpt.tune.search`), else the default
+else a bounded search where the run is long enough to pay for it (:mod:`jaxgpt.train.tune.search`), else the default
 program (the ``xla`` preset) with a line saying why.
 
 When a run searches (``kernels_search_s``, :func:`search_budget`):
@@ -20,8 +20,8 @@ from typing import Any
 
 from jaxgpt.config import ConfigError, to_dict
 from jaxgpt.kernels.registry import Kernels
-from jaxgpt.tune import cache
-from jaxgpt.tune.measure import pinned
+from jaxgpt.train.tune import cache
+from jaxgpt.train.tune.measure import pinned
 
 MIN_STEPS = 500  # a shorter run (steps still to train) never searches by default: its search would not pay back
 FRACTION = 0.10  # of the run's expected time, at most, spent searching by default
@@ -122,9 +122,9 @@ def select(cfg, *, mesh, steps_to_train: int, micro_steps: int = 1, say: Callabl
     choice file there (e.g. jaxgpt/kernels/tuned/ on a GPU). ``processes`` > 1: every process must run the same
     program, so only a committed choice (the same file everywhere) is used: no user cache, no search."""
     from jaxgpt.precision import Policy
-    from jaxgpt.tune.measure import Bench
-    from jaxgpt.tune import tiles
-    from jaxgpt.tune.search import format_table, search
+    from jaxgpt.train.tune.measure import Bench
+    from jaxgpt.kernels import tiles
+    from jaxgpt.train.tune.search import format_table, search
 
     platform = mesh.devices.flat[0].platform
     fixed = pinned(cfg.kernels)

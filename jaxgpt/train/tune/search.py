@@ -21,7 +21,7 @@ from typing import Any
 
 from jaxgpt.kernels import registry
 from jaxgpt.kernels.registry import OPS, Kernels
-from jaxgpt.tune.measure import Bench, Measurement, pinned
+from jaxgpt.train.tune.measure import Bench, Measurement, pinned
 
 # the first step's loss against the default program's (relative): fp32 compute: parity_tests/tolerances.py's
 # LOSS_FP32_REL, the bound on mean cross-entropies of two correct fp32 implementations (the same values but for
@@ -62,7 +62,7 @@ class Result:
     budget_s: float
     spent_s: float
     notes: list[str]
-    tiles: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # jaxgpt.tune.tiles.tune's
+    tiles: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)  # jaxgpt.kernels.tiles.tune's
 
     def table(self) -> str:
         return format_table([m.to_dict() for m in self.measured], self.chosen.name)
@@ -174,7 +174,7 @@ def search(bench: Bench, *, platform: str, budget_s: float | Callable[[Measureme
                     best = m
     finally:
         bar.close()
-    from jaxgpt.tune import tiles
+    from jaxgpt.kernels import tiles
 
     tuned = {name: tiles.tune(name, shapes, say=say, deadline=t_start + budget)  # the chosen program's GEMM tiles
              for name, shapes in best.shapes.items() if platform in tiles.OPS[name].platforms}

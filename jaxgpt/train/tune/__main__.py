@@ -1,0 +1,5 @@
+import sys
+
+from jaxgpt.train.tune.cli import main
+
+sys.exit(main())
