@@ -321,17 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     from jaxgpt.config import ConfigError
-    from jaxgpt.train.cli import EXIT_CONFIG, parse_args
-    from jaxgpt.train.config import TrainConfig
+    from jaxgpt.train.cli import EXIT_CONFIG, load_config
 
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(usage())
         return 0
     try:
-        config_path, overrides, print_config = parse_args(argv)
-        cfg = TrainConfig.load(config_path, overrides)
-        cfg.micro_steps()  # divisibility, before anything starts
+        config_path, overrides, cfg, print_config = load_config(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -82,6 +82,22 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, Any], bool]:
     return config_path, overrides, print_config
 
 
+class CliConfig(typing.NamedTuple):
+    path: Path | None  # --config (None: the default config)
+    overrides: dict[str, Any]  # the --field=value overrides
+    cfg: TrainConfig  # the config they make, checked
+    print_config: bool  # --print-config
+
+
+def load_config(argv: list[str]) -> CliConfig:
+    """The run's config from ``--config`` and ``--field=value`` overrides, checked before anything starts, and
+    whether ``--print-config`` was asked; bad input raises :class:`ConfigError` (jaxgpt.train and torch_ref.train)."""
+    config_path, overrides, print_config = parse_args(argv)
+    cfg = TrainConfig.load(config_path, overrides)
+    cfg.micro_steps()  # divisibility
+    return CliConfig(config_path, overrides, cfg, print_config)
+
+
 def _maybe_reexec_with_malloc_tuning(argv: list[str]) -> None:
     if os.environ.get("GLIBC_TUNABLES") or os.environ.get("JAXGPT_NO_MALLOC_TUNING") or sys.platform != "linux":
         return
@@ -101,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     try:
-        config_path, overrides, print_config = parse_args(argv)
-        cfg = TrainConfig.load(config_path, overrides)
-        cfg.micro_steps()  # divisibility, before anything starts
+        _, _, cfg, print_config = load_config(argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -12,17 +12,7 @@ import pytest
 from jaxgpt.kernels import attention
 from jaxgpt.precision import Policy
 
-F32 = jnp.float32
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _rand(key, shape, scale=1.0):
-    return scale * jax.random.normal(jax.random.PRNGKey(key), shape, F32)
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+from tests.test_ops import F32, HIGHEST, _rand, _rel  # the same helpers as the other ops' tests
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 2, 8), (1, 37, 3, 16)], ids=["tiny", "odd"])
