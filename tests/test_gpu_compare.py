@@ -232,8 +232,9 @@ def test_the_kernels_part_checks_every_kernel_test_file_and_reads_junit(tmp_path
 
 
 def test_the_kernels_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
-    """`kernels --dry` (13 s on the 2-core AMD EPYC): one kernel test through the plugin (interpreted here, its
-    tiles recorded), the device tests skipped without a GPU; the summary and one tar in $OUT."""
+    """`kernels --dry` (~30 s on the 2-core AMD EPYC): one kernel test through the plugin (interpreted here, its
+    tiles recorded), the device tests skipped without a GPU, kernels: auto's search on the tiny config (its choice
+    file in the tar); the summary and one tar in $OUT."""
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("OUT", str(out))
@@ -244,6 +245,10 @@ def test_the_kernels_part_rehearses_on_the_cpu(tmp_path, monkeypatch):
     assert s["tiles"]["compiled_on_gpu"] is False and [k["name"] for k in s["tiles"]["kernels"]] == [
         "gemm_ntsum_split_input_grad"]
     assert sorted(p.name for p in out.iterdir()) == [f"{s['run']}-kernels.tar", "session-kernels.json"]
+    tune = next(r for r in s["steps"] if r["step"].startswith("kernels: auto"))  # jaxgpt.tune, its file in the tar
+    assert tune["status"] == "ok", tune
+    with tarfile.open(out / f"{s['run']}-kernels.tar") as tar:
+        assert any("_2L32C_b4x32_" in n and n.endswith(".json") for n in tar.getnames()), tar.getnames()
 
 
 @pytest.mark.slow  # ~5 min on 2 cores: 3 bench workers, 3 profiles, 2 tiny recipes; the tests above cover its parts

@@ -40,6 +40,12 @@ DEVICE_TESTS = "tests/test_kernels_on_device.py"
 PARITY_CASE_S = 10.0  # a CUDA parity case on the H100, 2026-11-26 (24 cases in 250 s: parity.log)
 KERNEL_CASES = 64  # what KERNEL_TESTS -k DESELECT collected on 2026-11-29 after the kernel layer (pytest --collect-only)
 KERNEL_CASE_S = 1.5  # an allowance per case: one small kernel's Triton and XLA compiles and a run
+DEVICE_CASES = 8  # tests/test_kernels_on_device.py: its SETTINGS and the fast set
+# kernels: auto's search on the device, bounded by its own --budget-s (the rest of the part's 300 s): the recipe's
+# model and micro-batch there (a choice file to commit under jaxgpt/kernels/tuned/), the tiny config in the rehearsal
+TUNE_CONFIG = {False: "configs/gpt2-124m.yaml", True: "configs/tiny-test.yaml"}
+TUNE_BUDGET_S = {False: 75.0, True: 8.0}
+TUNE_START_S = 15.0  # python, jax and the CUDA plugin starting (an allowance)
 DRY_TESTS = ("tests/kernels/test_gemm.py::test_sum_kernel_against_the_truth",)
 TILES = "kernel-tiles.json"
 
@@ -84,7 +90,14 @@ def plan(*, dry: bool, run_dir: Path) -> list[Step]:
              f"{KERNEL_CASES} cases at {KERNEL_CASE_S} s each (one small kernel each; an allowance)"),
         Step("a tiny GPT per setting against XLA's path", [*py, DEVICE_TESTS, "--junitxml",
                                                             str(run_dir / "device-junit.xml")],
-             9 * PARITY_CASE_S, "9 cases at a 2026-11-26 parity case's 10 s each (an allowance)"),
+             DEVICE_CASES * PARITY_CASE_S,
+             f"{DEVICE_CASES} cases at a 2026-11-26 parity case's 10 s each (an allowance)"),
+        Step("kernels: auto on the device (jaxgpt.tune; its choice file for jaxgpt/kernels/tuned/)",
+             [sys.executable, "-m", "jaxgpt.tune", "--config", TUNE_CONFIG[dry], "--force", "--no-progress",
+              "--budget-s", str(TUNE_BUDGET_S[dry]), "--out", str(run_dir)],
+             TUNE_BUDGET_S[dry] + TUNE_START_S,
+             f"the search's own bound (--budget-s {TUNE_BUDGET_S[dry]:.0f}: the default program first, then as many "
+             f"candidates as fit) and {TUNE_START_S:.0f} s to start (an allowance)", required=False),
     ]
 
 
