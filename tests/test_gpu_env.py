@@ -95,3 +95,14 @@ def test_malloc_tuning_kept_when_the_cuda_plugin_has_no_gpu(monkeypatch, driver)
     assert bool(calls) is (not driver)
     if calls:
         assert calls[0][2]["GLIBC_TUNABLES"] == cli.MALLOC_TUNABLES
+
+
+def test_the_schedule_warning_is_printed_once_across_the_malloc_reexec(tmp_path):
+    """jaxgpt.train re-executes itself for the malloc tuning (above): what it says before that would be said twice,
+    so the schedule's warning comes after it (here the run then stops at its missing data, exit 2)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXGPT_NO_MALLOC_TUNING")}
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run([sys.executable, "-m", "jaxgpt.train", "--max_steps=3", f"--data_dir={tmp_path / 'none'}",
+                        "--data_source=", f"--out_dir={tmp_path / 'run'}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.stderr.count("warning: max_steps 3 ends the run inside the learning-rate warm-up") == 1, r.stderr[-2000:]

@@ -135,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_CONFIG
         return 0
+    if from_cli:
+        _maybe_reexec_with_malloc_tuning(argv)  # (re-runs main in a new process: say nothing before it)
     if cfg.schedule_warning():
         print(cfg.schedule_warning(), file=sys.stderr)
-    if from_cli:
-        _maybe_reexec_with_malloc_tuning(argv)
     from jaxgpt import distributed
     from jaxgpt.checkpoint import CheckpointDamaged, NoCheckpointError
     from jaxgpt.data import DataError
