@@ -244,15 +244,16 @@ class Run(Resuming, Safeguards, InLoopEvals, Stopping):
         from jaxgpt.precision import Policy
 
         cfg = self.cfg
-        self.policy = Policy.named(cfg.precision, **cfg.policy_options())
+        options = cfg.policy_options()
         self.kernel_choice = None
         if cfg.kernels.preset == "auto":  # measured on this device, or a committed / cached choice (jaxgpt.tune)
             from jaxgpt.train.tune.auto import select
 
-            self.kernel_choice = choice = select(
+            self.kernel_choice = select(
                 cfg, mesh=self.mesh, steps_to_train=cfg.max_steps, micro_steps=self.micro_steps, say=self.say,
                 progress=cfg.progress and self.is_main, processes=self.pcount)
-            self.policy = Policy.named(cfg.precision, **{**cfg.policy_options(), "kernels": choice.kernels})
+            options = {**options, "kernels": self.kernel_choice.kernels}
+        self.policy = Policy.named(cfg.precision, **options)
         model = build_model(cfg, self.policy)
         self.model_cfg = model.config
         optimizer = make_optimizer(cfg.optim)
